@@ -1,0 +1,119 @@
+//! The command line. Flag names are the user-facing contract: every flag is also a key in the
+//! `--config` TOML file and an environment variable `FERRY_<FLAG_IN_CAPS>`. clap merges flag
+//! over environment; `config` adds the file and the defaults below them and validates.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Peer-to-peer OCI registry mirror for Kubernetes nodes"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    #[command(flatten)]
+    pub flags: Flags,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+pub enum Command {
+    /// Run the daemon: write the mirror config, serve the registry API.
+    Run,
+    /// Write the containerd mirror config (hosts.toml) and exit.
+    Configure,
+    /// Remove exactly what ferry added to the hosts dir; restore the rest byte-for-byte.
+    Cleanup,
+    /// Print the version.
+    Version,
+}
+
+/// Values are kept as text here and parsed in `config`, so that a bad value from any source
+/// gets the same one-line error naming its key.
+#[derive(Debug, Clone, Default, Args)]
+pub struct Flags {
+    /// TOML file with any of these flags as keys (flag beats env beats file beats default).
+    #[arg(long, global = true, env = "FERRY_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// containerd's gRPC socket [default: /run/containerd/containerd.sock]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CONTAINERD_SOCKET",
+        value_name = "PATH"
+    )]
+    pub containerd_socket: Option<String>,
+    /// containerd namespace whose images and content are served [default: k8s.io]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CONTAINERD_NAMESPACE",
+        value_name = "NAME"
+    )]
+    pub containerd_namespace: Option<String>,
+    /// containerd's content directory, read directly when readable
+    /// [default: /var/lib/containerd/io.containerd.content.v1.content]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CONTAINERD_CONTENT_DIR",
+        value_name = "PATH"
+    )]
+    pub containerd_content_dir: Option<String>,
+    /// containerd's config file, read (never written) for a preflight check
+    /// [default: /etc/containerd/config.toml]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CONTAINERD_CONFIG",
+        value_name = "PATH"
+    )]
+    pub containerd_config: Option<String>,
+    /// containerd's registry hosts directory [default: /etc/containerd/certs.d]
+    #[arg(long, global = true, env = "FERRY_HOSTS_DIR", value_name = "PATH")]
+    pub hosts_dir: Option<String>,
+    /// Comma-separated host[:port] registries to mirror [default: all registries]
+    #[arg(long, global = true, env = "FERRY_REGISTRIES", value_name = "LIST")]
+    pub registries: Option<String>,
+    /// Address containerd pulls through [default: 127.0.0.1:5480]
+    #[arg(long, global = true, env = "FERRY_MIRROR_ADDR", value_name = "ADDR")]
+    pub mirror_addr: Option<String>,
+    /// Address of /metrics, /healthz and /readyz [default: 0.0.0.0:5483]
+    #[arg(long, global = true, env = "FERRY_METRICS_ADDR", value_name = "ADDR")]
+    pub metrics_addr: Option<String>,
+    /// Ferry's own state [default: /var/lib/ferry]
+    #[arg(long, global = true, env = "FERRY_DATA_DIR", value_name = "PATH")]
+    pub data_dir: Option<String>,
+    /// text or json [default: text]
+    #[arg(long, global = true, env = "FERRY_LOG_FORMAT", value_name = "FORMAT")]
+    pub log_format: Option<String>,
+    /// A level (info, debug, ...) or a tracing filter such as `ferry=debug` [default: info]
+    #[arg(long, global = true, env = "FERRY_LOG_LEVEL", value_name = "LEVEL")]
+    pub log_level: Option<String>,
+}
+
+impl Flags {
+    /// `(key, value)` for every flag given on the command line or in the environment, with
+    /// the key spelled as in the TOML file.
+    pub fn given(&self) -> Vec<(&'static str, &str)> {
+        [
+            ("containerd-socket", &self.containerd_socket),
+            ("containerd-namespace", &self.containerd_namespace),
+            ("containerd-content-dir", &self.containerd_content_dir),
+            ("containerd-config", &self.containerd_config),
+            ("hosts-dir", &self.hosts_dir),
+            ("registries", &self.registries),
+            ("mirror-addr", &self.mirror_addr),
+            ("metrics-addr", &self.metrics_addr),
+            ("data-dir", &self.data_dir),
+            ("log-format", &self.log_format),
+            ("log-level", &self.log_level),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.as_deref().map(|v| (k, v)))
+        .collect()
+    }
+}

@@ -1,0 +1,395 @@
+//! Configuration: defaults < `--config` file < environment < flags, then validation. No side
+//! effects here: loading a config never touches the disk beyond reading the file.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use crate::cli::Flags;
+
+/// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
+pub const KEYS: [(&str, &str); 11] = [
+    ("containerd-socket", "/run/containerd/containerd.sock"),
+    ("containerd-namespace", "k8s.io"),
+    (
+        "containerd-content-dir",
+        "/var/lib/containerd/io.containerd.content.v1.content",
+    ),
+    ("containerd-config", "/etc/containerd/config.toml"),
+    ("hosts-dir", "/etc/containerd/certs.d"),
+    ("registries", ""),
+    ("mirror-addr", "127.0.0.1:5480"),
+    ("metrics-addr", "0.0.0.0:5483"),
+    ("data-dir", "/var/lib/ferry"),
+    ("log-format", "text"),
+    ("log-level", "info"),
+];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub containerd_socket: PathBuf,
+    pub containerd_namespace: String,
+    pub containerd_content_dir: PathBuf,
+    pub containerd_config: PathBuf,
+    pub hosts_dir: PathBuf,
+    pub registries: Registries,
+    pub mirror_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub data_dir: PathBuf,
+    pub log_format: LogFormat,
+    pub log_level: String,
+}
+
+/// Which registries Ferry mirrors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Registries {
+    All,
+    Only(Vec<String>),
+}
+
+impl Registries {
+    pub fn includes(&self, registry: &str) -> bool {
+        match self {
+            Registries::All => true,
+            Registries::Only(list) => list.iter().any(|r| r == registry),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// A bad configuration value: printed as one line, `<key>: <what is wrong>`; exit status 64.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{key}: {message}")]
+pub struct ConfigError {
+    pub key: String,
+    pub message: String,
+}
+
+fn err(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        key: key.to_string(),
+        message: message.into(),
+    }
+}
+
+impl Config {
+    /// Merges the sources and validates every value.
+    pub fn load(flags: &Flags) -> Result<Config, ConfigError> {
+        let file = match &flags.config {
+            Some(path) => read_file(path)?,
+            None => HashMap::new(),
+        };
+        let given: HashMap<&str, &str> = flags.given().into_iter().collect();
+        let value = |key: &str| -> String {
+            given
+                .get(key)
+                .map(|v| v.to_string())
+                .or_else(|| file.get(key).cloned())
+                .or_else(|| {
+                    KEYS.iter()
+                        .find(|(k, _)| *k == key)
+                        .map(|(_, d)| d.to_string())
+                })
+                .unwrap_or_default()
+        };
+        Ok(Config {
+            containerd_socket: path("containerd-socket", &value("containerd-socket"))?,
+            containerd_namespace: namespace(&value("containerd-namespace"))?,
+            containerd_content_dir: path(
+                "containerd-content-dir",
+                &value("containerd-content-dir"),
+            )?,
+            containerd_config: path("containerd-config", &value("containerd-config"))?,
+            hosts_dir: path("hosts-dir", &value("hosts-dir"))?,
+            registries: registries(&value("registries"))?,
+            mirror_addr: addr("mirror-addr", &value("mirror-addr"))?,
+            metrics_addr: addr("metrics-addr", &value("metrics-addr"))?,
+            data_dir: path("data-dir", &value("data-dir"))?,
+            log_format: log_format(&value("log-format"))?,
+            log_level: log_level(&value("log-level"))?,
+        })
+    }
+
+    /// The URL containerd is pointed at. A wildcard bind is reached over loopback.
+    pub fn mirror_url(&self) -> String {
+        let ip = match self.mirror_addr.ip() {
+            IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            ip => ip,
+        };
+        format!("http://{}", SocketAddr::new(ip, self.mirror_addr.port()))
+    }
+}
+
+/// Reads the TOML file into `key -> text`; unknown keys and wrong types are errors.
+fn read_file(path: &Path) -> Result<HashMap<String, String>, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        let msg = e.message().to_string();
+        err(
+            "config",
+            format!("{} is not valid TOML: {msg}", path.display()),
+        )
+    })?;
+    let mut values = HashMap::new();
+    for (key, value) in table {
+        if !KEYS.iter().any(|(k, _)| *k == key) {
+            return Err(err(&key, format!("unknown key in {}", path.display())));
+        }
+        let text = match value {
+            toml::Value::String(s) => s,
+            toml::Value::Array(items) if key == "registries" => items
+                .into_iter()
+                .map(|i| match i {
+                    toml::Value::String(s) => Ok(s),
+                    other => Err(err(
+                        &key,
+                        format!("expected strings, found {}", other.type_str()),
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+                .join(","),
+            other => {
+                return Err(err(
+                    &key,
+                    format!("expected a string, found {}", other.type_str()),
+                ));
+            }
+        };
+        values.insert(key, text);
+    }
+    Ok(values)
+}
+
+fn path(key: &str, v: &str) -> Result<PathBuf, ConfigError> {
+    if v.is_empty() {
+        return Err(err(key, "must not be empty"));
+    }
+    if v.contains('\0') {
+        return Err(err(key, "must not contain NUL"));
+    }
+    Ok(PathBuf::from(v))
+}
+
+fn addr(key: &str, v: &str) -> Result<SocketAddr, ConfigError> {
+    v.parse().map_err(|_| {
+        err(
+            key,
+            format!("{v:?} is not an address such as 127.0.0.1:5480 or [::1]:5480"),
+        )
+    })
+}
+
+fn namespace(v: &str) -> Result<String, ConfigError> {
+    let ok = !v.is_empty()
+        && v.len() <= 76
+        && v.split(['.', '_', '-'])
+            .all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric()));
+    if ok {
+        Ok(v.to_string())
+    } else {
+        Err(err(
+            "containerd-namespace",
+            format!("{v:?} is not a containerd namespace name"),
+        ))
+    }
+}
+
+fn registries(v: &str) -> Result<Registries, ConfigError> {
+    let list: Vec<String> = v
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    if list.is_empty() {
+        return Ok(Registries::All);
+    }
+    for host in &list {
+        registry_host(host).map_err(|m| err("registries", format!("{host:?}: {m}")))?;
+    }
+    Ok(Registries::Only(list))
+}
+
+/// `host[:port]`: also the name of its directory in the hosts dir, so no path tricks.
+pub fn registry_host(host: &str) -> Result<(), &'static str> {
+    let (name, port) = match host.rsplit_once(':') {
+        Some((n, p)) => (n, Some(p)),
+        None => (host, None),
+    };
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+    };
+    if name.len() > 253 || !name.split('.').all(label_ok) {
+        return Err("expected a registry host[:port] such as docker.io or registry.local:5000");
+    }
+    if let Some(p) = port
+        && p.parse::<u16>().map_or(true, |p| p == 0)
+    {
+        return Err("port must be 1-65535");
+    }
+    Ok(())
+}
+
+fn log_format(v: &str) -> Result<LogFormat, ConfigError> {
+    match v {
+        "text" => Ok(LogFormat::Text),
+        "json" => Ok(LogFormat::Json),
+        _ => Err(err("log-format", format!("{v:?}: expected text or json"))),
+    }
+}
+
+fn log_level(v: &str) -> Result<String, ConfigError> {
+    tracing_subscriber::EnvFilter::try_new(v)
+        .map(|_| v.to_string())
+        .map_err(|e| err("log-level", format!("{v:?}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let c = Config::load(&Flags::default()).unwrap();
+        assert_eq!(c.mirror_addr, "127.0.0.1:5480".parse().unwrap());
+        assert_eq!(c.metrics_addr, "0.0.0.0:5483".parse().unwrap());
+        assert_eq!(c.registries, Registries::All);
+        assert_eq!(c.containerd_namespace, "k8s.io");
+        assert_eq!(c.hosts_dir, PathBuf::from("/etc/containerd/certs.d"));
+        assert_eq!(c.mirror_url(), "http://127.0.0.1:5480");
+    }
+
+    #[test]
+    fn flag_beats_file_beats_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(
+            &file,
+            "hosts-dir = \"/from/file\"\ndata-dir = \"/data/file\"\nregistries = [\"docker.io\", \"ghcr.io\"]\n",
+        )
+        .unwrap();
+        let flags = Flags {
+            config: Some(file),
+            hosts_dir: Some("/from/flag".into()),
+            ..Flags::default()
+        };
+        let c = Config::load(&flags).unwrap();
+        assert_eq!(c.hosts_dir, PathBuf::from("/from/flag"));
+        assert_eq!(c.data_dir, PathBuf::from("/data/file"));
+        assert_eq!(
+            c.registries,
+            Registries::Only(vec!["docker.io".into(), "ghcr.io".into()])
+        );
+        assert_eq!(c.log_level, "info");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            (
+                Flags {
+                    mirror_addr: Some("localhost".into()),
+                    ..Flags::default()
+                },
+                "mirror-addr",
+            ),
+            (
+                Flags {
+                    registries: Some("docker.io,../etc".into()),
+                    ..Flags::default()
+                },
+                "registries",
+            ),
+            (
+                Flags {
+                    registries: Some("r:99999".into()),
+                    ..Flags::default()
+                },
+                "registries",
+            ),
+            (
+                Flags {
+                    log_format: Some("xml".into()),
+                    ..Flags::default()
+                },
+                "log-format",
+            ),
+            (
+                Flags {
+                    log_level: Some("[[".into()),
+                    ..Flags::default()
+                },
+                "log-level",
+            ),
+            (
+                Flags {
+                    containerd_namespace: Some("a/b".into()),
+                    ..Flags::default()
+                },
+                "containerd-namespace",
+            ),
+            (
+                Flags {
+                    hosts_dir: Some("".into()),
+                    ..Flags::default()
+                },
+                "hosts-dir",
+            ),
+        ];
+        for (flags, key) in cases {
+            assert_eq!(Config::load(&flags).unwrap_err().key, key);
+        }
+    }
+
+    #[test]
+    fn bad_files_name_their_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        for (text, key) in [
+            ("mirror-port = \"1\"", "mirror-port"),
+            ("hosts-dir = 5", "hosts-dir"),
+            ("hosts-dir = ", "config"),
+        ] {
+            std::fs::write(&file, text).unwrap();
+            let flags = Flags {
+                config: Some(file.clone()),
+                ..Flags::default()
+            };
+            assert_eq!(Config::load(&flags).unwrap_err().key, key, "{text}");
+        }
+        let flags = Flags {
+            config: Some(dir.path().join("missing.toml")),
+            ..Flags::default()
+        };
+        assert_eq!(Config::load(&flags).unwrap_err().key, "config");
+    }
+
+    #[test]
+    fn wildcard_mirror_is_reached_over_loopback() {
+        let flags = Flags {
+            mirror_addr: Some("0.0.0.0:6000".into()),
+            ..Flags::default()
+        };
+        assert_eq!(
+            Config::load(&flags).unwrap().mirror_url(),
+            "http://127.0.0.1:6000"
+        );
+        let flags = Flags {
+            mirror_addr: Some("[::]:6000".into()),
+            ..Flags::default()
+        };
+        assert_eq!(
+            Config::load(&flags).unwrap().mirror_url(),
+            "http://[::1]:6000"
+        );
+    }
+}

@@ -1,0 +1,209 @@
+//! Applying the `hosts.toml` merge to a containerd hosts directory (`certs.d`), atomically.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::hosts::{self, Cleaned, Merged};
+use crate::config::Registries;
+
+const HOSTS_FILE: &str = "hosts.toml";
+/// The temp file next to `hosts.toml`; renamed over it, so containerd never reads half a file.
+const TEMP_FILE: &str = "hosts.toml.ferry-tmp";
+/// containerd's directory for registries without one of their own.
+pub const DEFAULT_DIR: &str = "_default";
+/// Files containerd reads as certificates when a host directory has no `hosts.toml`.
+const LEGACY_CERT_SUFFIXES: [&str; 3] = [".crt", ".cert", ".key"];
+
+/// What happened to one `hosts.toml`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub path: PathBuf,
+    pub action: Action,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Created,
+    Updated,
+    Unchanged,
+    /// The operator's file already lists Ferry's mirror URL.
+    OperatorEntry,
+    Restored,
+    Removed,
+    /// Left untouched, with the reason (unparseable file, unsupported layout, legacy certs).
+    Skipped(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {source}")]
+pub struct DirError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DirError + '_ {
+    move |source| DirError {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes Ferry's mirror entry into every `hosts.toml` the registries need. A file that cannot
+/// be merged is reported in its outcome and left as it is; only a hosts directory that cannot
+/// be read or created at all is an error.
+pub fn configure(
+    hosts_dir: &Path,
+    registries: &Registries,
+    mirror_url: &str,
+) -> Result<Vec<Outcome>, DirError> {
+    fs::create_dir_all(hosts_dir).map_err(io_err(hosts_dir))?;
+    let targets: Vec<String> = match registries {
+        Registries::Only(list) => list.clone(),
+        Registries::All => {
+            // containerd ignores `_default` for a host with its own directory, so each of
+            // those gets the entry as well.
+            let mut dirs = existing_host_dirs(hosts_dir)?;
+            dirs.retain(|d| d != DEFAULT_DIR);
+            dirs.insert(0, DEFAULT_DIR.to_string());
+            dirs
+        }
+    };
+    targets
+        .iter()
+        .map(|host| configure_one(hosts_dir, host, mirror_url))
+        .collect()
+}
+
+fn configure_one(hosts_dir: &Path, host: &str, mirror_url: &str) -> Result<Outcome, DirError> {
+    let dir = hosts_dir.join(host);
+    let path = dir.join(HOSTS_FILE);
+    let server_host = (host != DEFAULT_DIR).then_some(host);
+    let outcome = |action| {
+        Ok(Outcome {
+            path: path.clone(),
+            action,
+        })
+    };
+
+    if !dir.exists() {
+        fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        write_atomic(&path, &hosts::new_file(server_host, mirror_url, true))?;
+        return outcome(Action::Created);
+    }
+    let existing = match fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if has_legacy_certs(&dir)? {
+                // A hosts.toml would make containerd stop reading these certificates.
+                return outcome(Action::Skipped(
+                    "certificate files and no hosts.toml: adding one would drop them".into(),
+                ));
+            }
+            write_atomic(&path, &hosts::new_file(server_host, mirror_url, false))?;
+            return outcome(Action::Created);
+        }
+        Err(e) => return Err(io_err(&path)(e)),
+    };
+    let Ok(text) = String::from_utf8(existing) else {
+        return outcome(Action::Skipped("not UTF-8 text; left untouched".into()));
+    };
+    match hosts::merge(&text, mirror_url) {
+        Ok(Merged::Unchanged) => outcome(Action::Unchanged),
+        Ok(Merged::OperatorEntry) => outcome(Action::OperatorEntry),
+        Ok(Merged::Updated(new)) => {
+            write_atomic(&path, &new)?;
+            outcome(Action::Updated)
+        }
+        Err(e) => outcome(Action::Skipped(e.to_string())),
+    }
+}
+
+/// Removes what Ferry added anywhere under `hosts_dir`: needs nothing but the files there.
+pub fn cleanup(hosts_dir: &Path) -> Result<Vec<Outcome>, DirError> {
+    if !hosts_dir.exists() {
+        return Ok(Vec::new());
+    }
+    let mut outcomes = Vec::new();
+    for host in existing_host_dirs(hosts_dir)? {
+        let dir = hosts_dir.join(&host);
+        let _ = fs::remove_file(dir.join(TEMP_FILE));
+        let path = dir.join(HOSTS_FILE);
+        let text = match fs::read(&path) {
+            Ok(bytes) => match String::from_utf8(bytes) {
+                Ok(text) => text,
+                Err(_) => continue,
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_err(&path)(e)),
+        };
+        let action = match hosts::cleanup(&text) {
+            Cleaned::Untouched => continue,
+            Cleaned::Restored(original) => {
+                write_atomic(&path, &original)?;
+                Action::Restored
+            }
+            Cleaned::Delete { dir: created_dir } => {
+                fs::remove_file(&path).map_err(io_err(&path))?;
+                if created_dir {
+                    // Fails, and is meant to, if the operator has since put files there.
+                    let _ = fs::remove_dir(&dir);
+                }
+                Action::Removed
+            }
+        };
+        outcomes.push(Outcome { path, action });
+    }
+    Ok(outcomes)
+}
+
+fn existing_host_dirs(hosts_dir: &Path) -> Result<Vec<String>, DirError> {
+    let mut dirs = Vec::new();
+    for entry in fs::read_dir(hosts_dir).map_err(io_err(hosts_dir))? {
+        let entry = entry.map_err(io_err(hosts_dir))?;
+        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        if let (true, Some(name)) = (is_dir, entry.file_name().to_str())
+            && !name.starts_with('.')
+        {
+            dirs.push(name.to_string());
+        }
+    }
+    dirs.sort();
+    Ok(dirs)
+}
+
+fn has_legacy_certs(dir: &Path) -> Result<bool, DirError> {
+    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
+        let name = entry.map_err(io_err(dir))?.file_name();
+        let name = name.to_string_lossy();
+        if LEGACY_CERT_SUFFIXES.iter().any(|s| name.ends_with(s)) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Temp file in the same directory, fsync, rename: readers see the old file or the new one.
+/// The mode of an existing file is kept.
+fn write_atomic(path: &Path, text: &str) -> Result<(), DirError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(TEMP_FILE);
+    let result = (|| {
+        let mut file = fs::File::create(&tmp)?;
+        file.write_all(text.as_bytes())?;
+        if let Ok(meta) = fs::metadata(path) {
+            file.set_permissions(meta.permissions())?;
+        }
+        file.sync_all()?;
+        fs::rename(&tmp, path)?;
+        if let Ok(d) = fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(io_err(path))
+}

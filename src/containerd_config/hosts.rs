@@ -1,0 +1,266 @@
+//! The `hosts.toml` merge and cleanup, as pure text transformations.
+//!
+//! Ferry's entry is inserted as a marked block of text at the right place, not by re-rendering
+//! the document: the operator's bytes (comments, formatting, key order) are never rewritten,
+//! and cleanup removes exactly the bytes that were inserted. toml_edit parses the file to find
+//! where the block goes and checks the result before anything is written.
+
+use toml_edit::Document;
+
+/// First line of Ferry's block. Cleanup finds the block by this line and [`BLOCK_END`].
+pub const BLOCK_BEGIN: &str = "# >>> ferry mirror: added by ferry, removed by `ferry cleanup`";
+pub const BLOCK_END: &str = "# <<< ferry mirror";
+/// First line of a file Ferry created in a directory that already existed.
+pub const CREATED_FILE: &str =
+    "# ferry: this file was created by ferry; `ferry cleanup` deletes it";
+/// First line of a file Ferry created together with its directory.
+pub const CREATED_DIR: &str =
+    "# ferry: this file and its directory were created by ferry; `ferry cleanup` deletes both";
+
+/// The capabilities a mirror gets: it may serve pulls and resolve tags, never pushes.
+const CAPABILITIES: &str = r#"["pull", "resolve"]"#;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MergeError {
+    #[error("not valid TOML ({0}); left untouched")]
+    Unparseable(String),
+    #[error(
+        "`host` is not written as [host.\"...\"] tables, so ferry cannot place its entry first; left untouched"
+    )]
+    UnsupportedLayout,
+    #[error("the merged file did not check out ({0}); left untouched")]
+    Verification(String),
+}
+
+/// What a merge decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Merged {
+    /// The file already says what Ferry wants (run twice: nothing changes).
+    Unchanged,
+    /// The operator already lists this mirror URL themselves; their entry is left as it is.
+    OperatorEntry,
+    Updated(String),
+}
+
+/// What cleanup decided for one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cleaned {
+    /// Nothing of Ferry's in it.
+    Untouched,
+    /// The file existed before Ferry: here are its original bytes.
+    Restored(String),
+    /// Ferry created the file (and the directory when `dir` is true): delete it.
+    Delete { dir: bool },
+}
+
+/// The `server` for a registry host, as containerd would default it.
+pub fn default_server(host: &str) -> String {
+    match host {
+        "docker.io" => "https://registry-1.docker.io".to_string(),
+        _ => format!("https://{host}"),
+    }
+}
+
+/// The text of a new `hosts.toml`: for a registry host (`Some`) with its `server`, for
+/// `_default` (`None`) without one, since there the server is each registry's own.
+pub fn new_file(host: Option<&str>, mirror_url: &str, created_dir: bool) -> String {
+    let mut skeleton = String::new();
+    skeleton.push_str(if created_dir {
+        CREATED_DIR
+    } else {
+        CREATED_FILE
+    });
+    skeleton.push('\n');
+    if let Some(host) = host {
+        skeleton.push_str(&format!("server = \"{}\"\n", default_server(host)));
+    }
+    // A fresh skeleton always has the simple layout, so the merge cannot fail; fall back to
+    // the plain concatenation the merge would produce anyway.
+    match merge(&skeleton, mirror_url) {
+        Ok(Merged::Updated(text)) => text,
+        _ => format!("{skeleton}\n{}", block(mirror_url, "\n")),
+    }
+}
+
+/// Ferry's block, with the file's own line ending so CRLF files stay CRLF.
+fn block(mirror_url: &str, eol: &str) -> String {
+    format!(
+        "{BLOCK_BEGIN}{eol}[host.\"{mirror_url}\"]{eol}  capabilities = {CAPABILITIES}{eol}{BLOCK_END}{eol}"
+    )
+}
+
+/// Adds Ferry's mirror entry to `existing`, first among the host tables.
+pub fn merge(existing: &str, mirror_url: &str) -> Result<Merged, MergeError> {
+    // Start from the operator's own bytes: an earlier block of ours (perhaps for another URL,
+    // perhaps no longer first) is taken out and the merge is done afresh.
+    let base = remove_block(existing).unwrap_or_else(|| existing.to_string());
+    let eol = if base.contains("\r\n") { "\r\n" } else { "\n" };
+    let doc = Document::parse(base.as_str())
+        .map_err(|e| MergeError::Unparseable(one_line(&e.to_string())))?;
+    let hosts = host_tables(&doc)?;
+    if hosts.iter().any(|(url, _)| url == mirror_url) {
+        // The operator lists this URL themselves: theirs stands, ours (if any) goes.
+        return Ok(if base == existing {
+            Merged::OperatorEntry
+        } else {
+            Merged::Updated(base)
+        });
+    }
+    let text = match hosts.iter().map(|(_, start)| *start).min() {
+        Some(first) => {
+            let at = attached_comment_start(&base, line_start(&base, first));
+            format!(
+                "{}{}{eol}{}",
+                &base[..at],
+                block(mirror_url, eol),
+                &base[at..]
+            )
+        }
+        None if base.is_empty() => block(mirror_url, eol),
+        // Appended after exactly one "\n" of ours (a blank line when the file ended with a
+        // newline, a line break when it did not); `cleanup` removes that one byte again.
+        None => format!("{base}{eol}{}", block(mirror_url, eol)),
+    };
+    verify(&text, mirror_url)?;
+    if text == existing {
+        Ok(Merged::Unchanged)
+    } else {
+        Ok(Merged::Updated(text))
+    }
+}
+
+/// Removes Ferry's block (and, for files Ferry created, says to delete them).
+pub fn cleanup(text: &str) -> Cleaned {
+    let Some(rest) = remove_block(text) else {
+        return created_marker(text).map_or(Cleaned::Untouched, |dir| Cleaned::Delete { dir });
+    };
+    match created_marker(&rest) {
+        Some(dir) if is_skeleton(&rest) => Cleaned::Delete { dir },
+        _ => Cleaned::Restored(rest),
+    }
+}
+
+/// The text without Ferry's block and the one line break Ferry added with it, or `None`
+/// when there is no complete block.
+fn remove_block(text: &str) -> Option<String> {
+    let begin = find_line(text, BLOCK_BEGIN, 0)?;
+    let end_line = find_line(text, BLOCK_END, begin)?;
+    let mut end = line_end(text, end_line);
+    let mut start = begin;
+    if end < text.len() {
+        // Inserted before the operator's host tables, followed by one blank line of ours.
+        if text[end..].starts_with("\r\n") {
+            end += 2;
+        } else if text[end..].starts_with('\n') {
+            end += 1;
+        }
+    } else if text[..start].ends_with("\r\n") {
+        // Appended at the end, after one line break of ours.
+        start -= 2;
+    } else if text[..start].ends_with('\n') {
+        start -= 1;
+    }
+    Some(format!("{}{}", &text[..start], &text[end..]))
+}
+
+/// `Some(created_dir)` when the first line is one of Ferry's "created" markers.
+fn created_marker(text: &str) -> Option<bool> {
+    match text.lines().next() {
+        Some(CREATED_FILE) => Some(false),
+        Some(CREATED_DIR) => Some(true),
+        _ => None,
+    }
+}
+
+/// A created file that still holds only what Ferry wrote (marker and `server`).
+fn is_skeleton(text: &str) -> bool {
+    text.lines()
+        .skip(1)
+        .all(|l| l.trim().is_empty() || l.starts_with("server = \"https://"))
+}
+
+/// `(url, byte offset of its table header)` for every `[host."url"]` table.
+fn host_tables(doc: &Document<&str>) -> Result<Vec<(String, usize)>, MergeError> {
+    let Some(host) = doc.get("host") else {
+        return Ok(Vec::new());
+    };
+    let table = host.as_table().ok_or(MergeError::UnsupportedLayout)?;
+    if !table.is_implicit() || table.is_dotted() {
+        return Err(MergeError::UnsupportedLayout);
+    }
+    table
+        .iter()
+        .map(|(url, item)| {
+            let t = item.as_table().ok_or(MergeError::UnsupportedLayout)?;
+            if t.is_dotted() {
+                return Err(MergeError::UnsupportedLayout);
+            }
+            let span = t.span().ok_or(MergeError::UnsupportedLayout)?;
+            Ok((url.to_string(), span.start))
+        })
+        .collect()
+}
+
+/// Parses the result and checks that Ferry's table is there and first in file order, which is
+/// the order containerd tries hosts in.
+fn verify(text: &str, mirror_url: &str) -> Result<(), MergeError> {
+    let doc =
+        Document::parse(text).map_err(|e| MergeError::Verification(one_line(&e.to_string())))?;
+    let hosts = host_tables(&doc).map_err(|e| MergeError::Verification(e.to_string()))?;
+    let first = hosts.iter().min_by_key(|(_, start)| *start);
+    if first.map(|(url, _)| url.as_str()) != Some(mirror_url) {
+        return Err(MergeError::Verification(
+            "ferry's entry is not the first host".into(),
+        ));
+    }
+    let caps = doc["host"][mirror_url]["capabilities"]
+        .as_array()
+        .map(|a| a.len());
+    if caps != Some(2) {
+        return Err(MergeError::Verification(
+            "ferry's entry lost its capabilities".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Byte offset of the start of the line holding `offset`.
+fn line_start(text: &str, offset: usize) -> usize {
+    text[..offset].rfind('\n').map_or(0, |i| i + 1)
+}
+
+/// Byte offset just past the newline ending the line that starts at `start` (or the end).
+fn line_end(text: &str, start: usize) -> usize {
+    text[start..]
+        .find('\n')
+        .map_or(text.len(), |i| start + i + 1)
+}
+
+/// Comment lines directly above a table header belong to it: insert above them.
+fn attached_comment_start(text: &str, mut at: usize) -> usize {
+    while at > 0 {
+        let prev = line_start(text, at - 1);
+        if !text[prev..at].trim_start().starts_with('#') {
+            break;
+        }
+        at = prev;
+    }
+    at
+}
+
+/// Offset of the first line, at or after `from`, that is exactly `line`.
+fn find_line(text: &str, line: &str, from: usize) -> Option<usize> {
+    let mut at = from;
+    while at < text.len() {
+        let end = line_end(text, at);
+        if text[at..end].trim_end_matches(['\n', '\r']) == line {
+            return Some(at);
+        }
+        at = end;
+    }
+    None
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}

@@ -1,0 +1,8 @@
+//! containerd's side of the setup: Ferry's `hosts.toml` mirror entries (merged into what the
+//! operator has, removed again by cleanup) and a read-only preflight of containerd's config.
+
+pub mod dir;
+pub mod hosts;
+pub mod preflight;
+
+pub use dir::{Action, Outcome, cleanup, configure};

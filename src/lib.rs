@@ -1,0 +1,26 @@
+//! Ferry: a peer-to-peer OCI registry mirror for Kubernetes nodes.
+//!
+//! Ferry runs on every node with host networking, so it does not wait for the CNI. At start it
+//! points containerd at itself through `hosts.toml`, then serves the OCI pull API straight
+//! from containerd's own content store; it keeps no cache of its own.
+//!
+//! # Layout
+//! - [`cli`]: clap definitions; the flag names are the user-facing contract.
+//! - [`config`]: defaults < file < env < flag merge and validation, no side effects.
+//! - [`app`]: wiring: bind, write the mirror config, spawn, drain on shutdown.
+//! - [`oci`]: pure domain code: digests, names, the `/v2/` path and Range parsers, errors.
+//! - [`store`]: the `ContentStore` trait, containerd and in-memory stores, conformance check.
+//! - [`containerd_config`]: the `hosts.toml` merge/cleanup and containerd config preflight.
+//! - [`registry`]: the axum handlers of the mirror address.
+//! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`metrics`]: every metric family in one place.
+
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod containerd_config;
+pub mod metrics;
+pub mod oci;
+pub mod ops;
+pub mod registry;
+pub mod store;

@@ -1,0 +1,109 @@
+//! Thin: parse the command line, set up logging, call the library, map errors to exit codes.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use ferry::cli::{Cli, Command};
+use ferry::config::{Config, LogFormat};
+use ferry::containerd_config::{self, Action};
+
+/// `EX_USAGE` from sysexits.h: a bad configuration value.
+const EXIT_CONFIG: u8 = 64;
+const EXIT_FAILURE: u8 = 1;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if cli.command == Command::Version {
+        println!("ferry {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
+    let config = match Config::load(&cli.flags) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ferry: invalid configuration: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    init_logging(&config);
+    let result = match cli.command {
+        Command::Run => run(config),
+        Command::Configure => configure(&config),
+        Command::Cleanup => cleanup(&config),
+        Command::Version => Ok(()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("ferry: {e:#}");
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
+fn init_logging(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::new(&config.log_level);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn run(config: Config) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(ferry::app::run(config, shutdown_signal()))?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the default action (exit) still applies; wait forever.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+fn configure(config: &Config) -> anyhow::Result<()> {
+    let outcomes =
+        containerd_config::configure(&config.hosts_dir, &config.registries, &config.mirror_url())?;
+    print_outcomes(&outcomes);
+    for warning in containerd_config::preflight::check(&config.containerd_config, &config.hosts_dir)
+    {
+        eprintln!("warning: {warning}");
+    }
+    Ok(())
+}
+
+fn cleanup(config: &Config) -> anyhow::Result<()> {
+    let outcomes = containerd_config::cleanup(&config.hosts_dir)?;
+    if outcomes.is_empty() {
+        println!("nothing of ferry's in {}", config.hosts_dir.display());
+    }
+    print_outcomes(&outcomes);
+    Ok(())
+}
+
+fn print_outcomes(outcomes: &[containerd_config::Outcome]) {
+    for o in outcomes {
+        let what = match &o.action {
+            Action::Created => "created".to_string(),
+            Action::Updated => "updated".to_string(),
+            Action::Unchanged => "unchanged".to_string(),
+            Action::OperatorEntry => "unchanged (already lists this mirror)".to_string(),
+            Action::Restored => "restored".to_string(),
+            Action::Removed => "removed".to_string(),
+            Action::Skipped(reason) => format!("SKIPPED: {reason}"),
+        };
+        println!("{}: {what}", o.path.display());
+    }
+}

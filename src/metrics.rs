@@ -1,0 +1,112 @@
+//! Every metric family Ferry exports, in one place.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// manifest, blob, base, other
+    pub kind: &'static str,
+    pub method: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LookupLabels {
+    pub kind: &'static str,
+    /// hit, miss, unavailable
+    pub result: &'static str,
+}
+
+/// Latency buckets in seconds: a local hit answers in well under a millisecond, a large blob
+/// streams for seconds.
+const DURATION_BUCKETS: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
+];
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub request_duration: Family<KindLabels, Histogram>,
+    pub bytes_served: Family<KindLabels, Counter>,
+    pub lookups: Family<LookupLabels, Counter>,
+    pub containerd_up: Gauge,
+    pub hosts_config_written: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("ferry");
+        let requests = Family::<RequestLabels, Counter>::default();
+        let request_duration = Family::<KindLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(DURATION_BUCKETS)
+        });
+        let bytes_served = Family::<KindLabels, Counter>::default();
+        let lookups = Family::<LookupLabels, Counter>::default();
+        let containerd_up = Gauge::default();
+        let hosts_config_written = Gauge::default();
+        registry.register(
+            "http_requests",
+            "Registry API requests by kind, method and status",
+            requests.clone(),
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "Time to the response headers of registry API requests",
+            request_duration.clone(),
+        );
+        registry.register(
+            "bytes_served",
+            "Bytes of manifests and blobs sent to clients",
+            bytes_served.clone(),
+        );
+        registry.register(
+            "store_lookups",
+            "Content store lookups by kind and result (hit, miss, unavailable)",
+            lookups.clone(),
+        );
+        registry.register(
+            "containerd_up",
+            "1 when containerd answers on its socket",
+            containerd_up.clone(),
+        );
+        registry.register(
+            "hosts_config_written",
+            "1 once the containerd hosts.toml mirror entries are written",
+            hosts_config_written.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            request_duration,
+            bytes_served,
+            lookups,
+            containerd_up,
+            hosts_config_written,
+        }
+    }
+
+    /// The Prometheus text exposition of every family.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Encoding into a String cannot fail except on a formatter error, which it never has.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

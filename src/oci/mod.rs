@@ -1,0 +1,23 @@
+//! Pure OCI distribution domain code: no I/O, no async.
+//!
+//! Everything here parses untrusted input (request paths, headers, manifest bytes) and must
+//! return an error for bad input, never panic.
+
+pub mod digest;
+pub mod error;
+pub mod manifest;
+pub mod path;
+pub mod range;
+pub mod reference;
+
+pub use digest::{Digest, DigestError};
+pub use error::{ErrorCode, error_body};
+pub use path::{ApiPath, PathError, Reference};
+pub use range::{ByteRange, RangeError};
+
+/// Header carrying the digest of the served content.
+pub const DOCKER_CONTENT_DIGEST: &str = "docker-content-digest";
+/// Header a registry answers `/v2/` with.
+pub const API_VERSION_HEADER: &str = "docker-distribution-api-version";
+/// Query parameter containerd adds to mirror requests: the upstream registry host.
+pub const NS_PARAM: &str = "ns";

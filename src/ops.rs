@@ -1,0 +1,77 @@
+//! The operations listener: `/metrics`, `/healthz`, `/readyz`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::metrics::Metrics;
+
+/// The three conditions of readiness. Each is set by the one task that owns that condition.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    pub hosts_written: AtomicBool,
+    pub listening: AtomicBool,
+    pub containerd_up: AtomicBool,
+}
+
+impl Readiness {
+    pub fn is_ready(&self) -> bool {
+        self.hosts_written.load(Ordering::Relaxed)
+            && self.listening.load(Ordering::Relaxed)
+            && self.containerd_up.load(Ordering::Relaxed)
+    }
+
+    fn report(&self) -> String {
+        let yes_no = |b: &AtomicBool| {
+            if b.load(Ordering::Relaxed) {
+                "yes"
+            } else {
+                "no"
+            }
+        };
+        format!(
+            "hosts config written: {}\nmirror listening: {}\ncontainerd reachable: {}\n",
+            yes_no(&self.hosts_written),
+            yes_no(&self.listening),
+            yes_no(&self.containerd_up)
+        )
+    }
+}
+
+#[derive(Debug, Clone)]
+struct OpsState {
+    readiness: Arc<Readiness>,
+    metrics: Arc<Metrics>,
+}
+
+pub fn router(readiness: Arc<Readiness>, metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .with_state(OpsState { readiness, metrics })
+}
+
+async fn readyz(State(s): State<OpsState>) -> impl IntoResponse {
+    let status = if s.readiness.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, s.readiness.report())
+}
+
+async fn metrics_text(State(s): State<OpsState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.encode(),
+    )
+}

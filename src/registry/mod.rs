@@ -1,0 +1,39 @@
+//! The registry API (the pull subset of the OCI distribution spec) that containerd pulls
+//! through: one handler for everything under `/v2/`, errors translated in `error.rs`.
+
+mod error;
+mod handlers;
+
+use std::sync::Arc;
+
+use axum::Router;
+
+use crate::config::Registries;
+use crate::metrics::Metrics;
+use crate::store::ContentStore;
+
+pub use error::ApiError;
+
+/// What the handlers need; shared read-only by every request.
+#[derive(Clone)]
+pub struct RegistryState {
+    pub store: Arc<dyn ContentStore>,
+    pub registries: Registries,
+    pub metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for RegistryState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryState")
+            .field("registries", &self.registries)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The mirror address's router. Every path goes to one handler that parses the raw path
+/// itself: names contain slashes, and percent-decoding must not happen before validation.
+pub fn router(state: RegistryState) -> Router {
+    Router::new()
+        .fallback(handlers::handle)
+        .with_state(Arc::new(state))
+}

@@ -1,0 +1,167 @@
+//! The containerd [`ContentStore`]: image and content metadata over containerd's gRPC API,
+//! blob bytes straight from the content directory when it is readable.
+
+mod channel;
+mod files;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use containerd_client::services::v1::content_client::ContentClient;
+use containerd_client::services::v1::images_client::ImagesClient;
+use containerd_client::services::v1::version_client::VersionClient;
+use containerd_client::services::v1::{GetImageRequest, InfoRequest, ReadContentRequest};
+use containerd_client::tonic::transport::Channel;
+use containerd_client::tonic::{Code, Request, Status};
+use containerd_client::with_namespace;
+use futures::StreamExt;
+
+use super::{ByteStream, ContentStore, Descriptor, StoreError};
+use crate::oci::{ByteRange, Digest};
+
+/// How long the health probe waits for containerd before calling it down.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// containerd as a content store, scoped to one containerd namespace.
+#[derive(Debug, Clone)]
+pub struct ContainerdStore {
+    channel: Channel,
+    namespace: String,
+    content_dir: PathBuf,
+}
+
+impl ContainerdStore {
+    /// Does not connect: the channel dials on first use and after every failure.
+    pub fn new(socket: PathBuf, namespace: String, content_dir: PathBuf) -> Self {
+        Self {
+            channel: channel::lazy_unix_channel(socket),
+            namespace,
+            content_dir,
+        }
+    }
+
+    fn request<T>(&self, message: T) -> Request<T> {
+        with_namespace!(message, self.namespace.as_str())
+    }
+
+    /// Size of committed content, scoped to our namespace. This check also gates the direct
+    /// file read: the files are shared by every namespace, the metadata is not.
+    async fn info(&self, digest: &Digest) -> Result<u64, StoreError> {
+        let request = self.request(InfoRequest {
+            digest: digest.to_string(),
+        });
+        let info = ContentClient::new(self.channel.clone())
+            .info(request)
+            .await
+            .map_err(status_error)?
+            .into_inner()
+            .info
+            .ok_or(StoreError::NotFound)?;
+        u64::try_from(info.size).map_err(|_| StoreError::NotFound)
+    }
+
+    /// The fallback when the content directory is not readable: containerd streams the bytes.
+    fn grpc_read(&self, digest: &Digest, offset: u64, len: u64) -> ByteStream {
+        let request = self.request(ReadContentRequest {
+            digest: digest.to_string(),
+            offset: offset as i64,
+            size: len as i64,
+        });
+        let client = ContentClient::new(self.channel.clone());
+        let stream = futures::stream::once(async move {
+            let mut client = client;
+            client.read(request).await
+        })
+        .flat_map(|response| match response {
+            Ok(r) => r
+                .into_inner()
+                .map(|m| {
+                    m.map(|m| bytes::Bytes::from(m.data))
+                        .map_err(std::io::Error::other)
+                })
+                .boxed(),
+            Err(status) => {
+                futures::stream::once(async move { Err(std::io::Error::other(status)) }).boxed()
+            }
+        });
+        Box::pin(stream)
+    }
+}
+
+#[async_trait::async_trait]
+impl ContentStore for ContainerdStore {
+    async fn resolve(
+        &self,
+        registry: &str,
+        repository: &str,
+        tag: &str,
+    ) -> Result<Descriptor, StoreError> {
+        let request = self.request(GetImageRequest {
+            name: format!("{registry}/{repository}:{tag}"),
+        });
+        let image = ImagesClient::new(self.channel.clone())
+            .get(request)
+            .await
+            .map_err(status_error)?
+            .into_inner()
+            .image
+            .ok_or(StoreError::NotFound)?;
+        let target = image.target.ok_or(StoreError::NotFound)?;
+        let digest = target.digest.parse().map_err(|_| StoreError::NotFound)?;
+        // The image record can outlive its content (garbage collection, a partial pull);
+        // report what the content store really has.
+        let size = self.info(&digest).await?;
+        Ok(Descriptor {
+            digest,
+            size,
+            media_type: Some(target.media_type),
+        })
+    }
+
+    async fn descriptor(&self, digest: &Digest) -> Result<Descriptor, StoreError> {
+        let size = self.info(digest).await?;
+        Ok(Descriptor {
+            digest: digest.clone(),
+            size,
+            media_type: None,
+        })
+    }
+
+    async fn open(
+        &self,
+        digest: &Digest,
+        range: Option<ByteRange>,
+    ) -> Result<ByteStream, StoreError> {
+        let size = self.info(digest).await?;
+        let (offset, len) = match range {
+            Some(r) if r.start < size => (r.start, r.end.min(size - 1) - r.start + 1),
+            Some(_) => (size, 0),
+            None => (0, size),
+        };
+        if len == 0 {
+            return Ok(Box::pin(futures::stream::empty()));
+        }
+        match files::open(&self.content_dir, digest, size, offset, len).await {
+            Ok(stream) => Ok(stream),
+            Err(e) => {
+                tracing::debug!(%digest, error = %e, "content file not readable, reading through containerd");
+                Ok(self.grpc_read(digest, offset, len))
+            }
+        }
+    }
+
+    async fn healthy(&self) -> bool {
+        let mut client = VersionClient::new(self.channel.clone());
+        matches!(
+            tokio::time::timeout(HEALTH_TIMEOUT, client.version(())).await,
+            Ok(Ok(_))
+        )
+    }
+}
+
+fn status_error(status: Status) -> StoreError {
+    match status.code() {
+        Code::NotFound => StoreError::NotFound,
+        _ => StoreError::Unavailable(format!("{}: {}", status.code(), status.message())),
+    }
+}

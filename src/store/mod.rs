@@ -1,0 +1,65 @@
+//! Where content comes from: the narrow [`ContentStore`] trait, containerd's implementation and
+//! an in-memory one for tests, and one conformance check both must pass.
+
+pub mod conformance;
+pub mod containerd;
+pub mod memory;
+
+use std::pin::Pin;
+
+use bytes::Bytes;
+use futures::Stream;
+
+use crate::oci::{ByteRange, Digest};
+
+/// A stream of blob bytes. An `Err` item means the transfer broke off: the HTTP layer resets
+/// the connection so containerd never mistakes a truncated body for a complete one.
+pub type ByteStream = Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>;
+
+/// What the store knows about a piece of content.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Descriptor {
+    pub digest: Digest,
+    pub size: u64,
+    /// Known when the content was reached through an image (tag resolution); content looked
+    /// up by digest alone carries none, because containerd's content store does not keep it.
+    pub media_type: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store is up and does not have it. The registry turns this into a 404.
+    #[error("not found")]
+    NotFound,
+    /// The store cannot answer right now (containerd down or restarting). Also a 404 to
+    /// containerd, so that it falls back to the next host at once, but counted apart.
+    #[error("content store unavailable: {0}")]
+    Unavailable(String),
+    #[error("content store I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The content a node can serve. Implementations: containerd (production), memory (tests).
+#[async_trait::async_trait]
+pub trait ContentStore: Send + Sync + 'static {
+    /// Resolves `<registry>/<repository>:<tag>` to the descriptor of its manifest or index.
+    async fn resolve(
+        &self,
+        registry: &str,
+        repository: &str,
+        tag: &str,
+    ) -> Result<Descriptor, StoreError>;
+
+    /// Size (and media type when known) of the content with this digest.
+    async fn descriptor(&self, digest: &Digest) -> Result<Descriptor, StoreError>;
+
+    /// The bytes of `digest`, all of them or one range of them (already clamped to the size).
+    async fn open(
+        &self,
+        digest: &Digest,
+        range: Option<ByteRange>,
+    ) -> Result<ByteStream, StoreError>;
+
+    /// Does the store answer at all? Drives `/readyz` and the `containerd_up` metric.
+    async fn healthy(&self) -> bool;
+}

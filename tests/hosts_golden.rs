@@ -1,0 +1,148 @@
+//! Golden files for the hosts.toml merge: real-world configs in, exact bytes out, and cleanup
+//! back to the input byte-for-byte. See tests/golden/hosts/README.md.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use ferry::containerd_config::hosts::{self, Cleaned, Merged};
+
+const MIRROR: &str = "http://127.0.0.1:5480";
+
+fn cases() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/hosts");
+    let mut dirs: Vec<PathBuf> = fs::read_dir(root)
+        .expect("golden dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 8, "golden cases are missing");
+    dirs
+}
+
+#[test]
+fn merge_matches_golden_files_and_cleanup_restores_the_input() {
+    let update = std::env::var_os("UPDATE_GOLDEN").is_some();
+    for case in cases() {
+        let name = case.file_name().unwrap().to_string_lossy().to_string();
+        let input = fs::read_to_string(case.join("input.toml")).unwrap();
+        let result = hosts::merge(&input, MIRROR);
+
+        if let Ok(fragment) = fs::read_to_string(case.join("expected.error")) {
+            let err = result.expect_err(&format!("{name}: must be refused"));
+            assert!(
+                err.to_string().contains(fragment.trim()),
+                "{name}: error {err} should mention {fragment:?}"
+            );
+            assert_eq!(hosts::cleanup(&input), Cleaned::Untouched, "{name}");
+            continue;
+        }
+
+        let merged = match result.unwrap_or_else(|e| panic!("{name}: {e}")) {
+            Merged::Updated(text) => text,
+            Merged::Unchanged | Merged::OperatorEntry => input.clone(),
+        };
+        let expected_path = case.join("expected.toml");
+        if update {
+            fs::write(&expected_path, &merged).unwrap();
+        }
+        let expected = fs::read_to_string(&expected_path).unwrap();
+        assert_eq!(
+            merged, expected,
+            "{name}: merge differs from the golden file"
+        );
+
+        // Run twice: nothing changes.
+        let again = hosts::merge(&merged, MIRROR).unwrap();
+        assert!(
+            matches!(again, Merged::Unchanged | Merged::OperatorEntry),
+            "{name}: second merge changed the file: {again:?}"
+        );
+
+        // Cleanup gives back the operator's bytes exactly.
+        let original = fs::read_to_string(case.join("original.toml")).unwrap_or(input.clone());
+        let restored = match hosts::cleanup(&merged) {
+            Cleaned::Restored(text) => text,
+            Cleaned::Untouched => merged.clone(),
+            Cleaned::Delete { .. } => panic!("{name}: an operator file must never be deleted"),
+        };
+        assert_eq!(restored, original, "{name}: cleanup is not byte-identical");
+    }
+}
+
+#[test]
+fn ferry_entry_is_the_first_host_in_every_merged_file() {
+    for case in cases() {
+        let Ok(expected) = fs::read_to_string(case.join("expected.toml")) else {
+            continue;
+        };
+        // A file that already lists the mirror itself is the operator's choice, left as is.
+        if fs::read_to_string(case.join("input.toml")).ok() == Some(expected.clone()) {
+            continue;
+        }
+        let first_host = expected
+            .lines()
+            .find(|l| l.trim_start().starts_with("[host."))
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            first_host.contains("127.0.0.1:5480"),
+            "{}: first host table is {first_host:?}",
+            case.display()
+        );
+    }
+}
+
+#[test]
+fn new_files_are_deleted_by_cleanup() {
+    for (host, created_dir) in [
+        (Some("docker.io"), true),
+        (Some("ghcr.io"), false),
+        (None, true),
+    ] {
+        let text = hosts::new_file(host, MIRROR, created_dir);
+        if host == Some("docker.io") {
+            assert!(
+                text.contains("server = \"https://registry-1.docker.io\""),
+                "{text}"
+            );
+        }
+        if host.is_none() {
+            assert!(
+                !text.contains("server"),
+                "_default must not pin a server: {text}"
+            );
+        }
+        assert!(text.contains(&format!("[host.\"{MIRROR}\"]")));
+        assert_eq!(hosts::merge(&text, MIRROR), Ok(Merged::Unchanged));
+        assert_eq!(hosts::cleanup(&text), Cleaned::Delete { dir: created_dir });
+    }
+}
+
+#[test]
+fn a_file_ferry_created_and_the_operator_edited_is_kept() {
+    let text = hosts::new_file(Some("ghcr.io"), MIRROR, false);
+    let edited =
+        format!("{text}\n[host.\"https://ops-added.example\"]\n  capabilities = [\"pull\"]\n");
+    match hosts::cleanup(&edited) {
+        Cleaned::Restored(rest) => assert!(rest.contains("ops-added.example")),
+        other => panic!("edited file must be kept, got {other:?}"),
+    }
+}
+
+#[test]
+fn mirror_url_change_replaces_the_block_in_place() {
+    let input = fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/golden/hosts/dockerhub-operator-mirror/input.toml"),
+    )
+    .unwrap();
+    let Merged::Updated(first) = hosts::merge(&input, MIRROR).unwrap() else {
+        panic!("first merge must update");
+    };
+    let Merged::Updated(second) = hosts::merge(&first, "http://127.0.0.1:7000").unwrap() else {
+        panic!("a new mirror URL must update");
+    };
+    assert!(!second.contains("5480") && second.contains("7000"));
+    assert_eq!(hosts::cleanup(&second), Cleaned::Restored(input));
+}
