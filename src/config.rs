@@ -247,6 +247,17 @@ fn log_format(v: &str) -> Result<LogFormat, ConfigError> {
     }
 }
 
+/// A bare level applies to Ferry's own logs; libraries stay at `info` at most, because their
+/// debug output (HTTP/2 frames, gRPC internals) drowns the one line per request. A full
+/// filter directive (`ferry=debug,h2=trace`) is used as given.
+pub fn log_filter(level: &str) -> String {
+    match level {
+        "trace" | "debug" => format!("info,ferry={level}"),
+        "info" | "warn" | "error" | "off" => level.to_string(),
+        directive => directive.to_string(),
+    }
+}
+
 fn log_level(v: &str) -> Result<String, ConfigError> {
     tracing_subscriber::EnvFilter::try_new(v)
         .map(|_| v.to_string())

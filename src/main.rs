@@ -1,5 +1,6 @@
 //! Thin: parse the command line, set up logging, call the library, map errors to exit codes.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -42,9 +43,10 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(config: &Config) {
-    let filter = tracing_subscriber::EnvFilter::new(&config.log_level);
+    let filter = tracing_subscriber::EnvFilter::new(ferry::config::log_filter(&config.log_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match config.log_format {
         LogFormat::Text => builder.init(),

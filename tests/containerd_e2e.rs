@@ -1,0 +1,297 @@
+//! End to end against a real containerd and a real registry: containerd pulls through the
+//! config Ferry wrote, and Ferry serves every manifest and blob byte-for-byte from
+//! containerd's content store.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry::oci::manifest::OCI_MANIFEST;
+use ferry::store::ContentStore;
+use ferry::store::conformance::{self, Fixture};
+use ferry::store::containerd::ContainerdStore;
+use support::*;
+
+/// Two layers of 1 MiB: big enough for multi-chunk streams and meaningful ranges.
+const LAYER_BYTES: usize = 1024 * 1024;
+
+struct World {
+    _tmp: tempfile::TempDir,
+    node: Containerd,
+    registry: Registry,
+    image: Image,
+    repo: &'static str,
+}
+
+impl World {
+    fn new() -> World {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let node = Containerd::start(&tmp.path().join("node"));
+        let registry = Registry::start(&tmp.path().join("registry"));
+        let image = Image::generate(&tmp.path().join("image"), "v1", 2, LAYER_BYTES);
+        let repo = "team/app";
+        image.push(registry.addr, repo);
+        World { _tmp: tmp, node, registry, image, repo }
+    }
+
+    fn reference(&self) -> String {
+        format!("{}/{}:{}", self.registry.addr, self.repo, self.image.tag)
+    }
+
+    fn ns(&self) -> String {
+        // containerd sends the registry host URL-encoded.
+        format!("ns={}", self.registry.addr.to_string().replace(':', "%3A"))
+    }
+
+    fn dir(&self) -> &std::path::Path {
+        self._tmp.path()
+    }
+}
+
+#[test]
+fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
+    let w = World::new();
+    let ferry = Ferry::start(w.dir(), &w.node, &[]);
+    wait_for("ferry /readyz", || ferry.ready());
+
+    // The first pull: Ferry has nothing yet, answers 404, containerd goes upstream.
+    w.node.pull("k8s.io", &w.reference(), &w.node.hosts_dir);
+    let upstream_after_first_pull = w.registry.served().len();
+    assert!(upstream_after_first_pull >= 4, "first pull came from upstream");
+    assert!(
+        ferry.proc.log_text().contains("status=404"),
+        "containerd asked ferry first (a miss)"
+    );
+
+    // Every manifest and blob, from Ferry, byte-for-byte.
+    let base = format!("/v2/{}", w.repo);
+    let by_tag = http("GET", &ferry.url(&format!("{base}/manifests/v1?{}", w.ns())), &[]);
+    assert_eq!(by_tag.status, 200);
+    assert_eq!(by_tag.header("docker-content-digest"), w.image.manifest);
+    assert_eq!(by_tag.header("content-type"), OCI_MANIFEST);
+    assert_eq!(by_tag.body, w.image.blob(&w.image.manifest));
+    let head = http("HEAD", &ferry.url(&format!("{base}/manifests/v1?{}", w.ns())), &[]);
+    assert_eq!(head.status, 200);
+    assert_eq!(head.header("content-length"), by_tag.body.len().to_string());
+    assert!(head.body.is_empty());
+
+    let by_digest = http("GET", &ferry.url(&format!("{base}/manifests/{}", w.image.manifest)), &[]);
+    assert_eq!(by_digest.status, 200);
+    assert_eq!(by_digest.header("content-type"), OCI_MANIFEST);
+    assert_eq!(sha256_hex(&by_digest.body), w.image.manifest);
+
+    for digest in std::iter::once(&w.image.config).chain(&w.image.layers) {
+        let r = http("GET", &ferry.url(&format!("{base}/blobs/{digest}?{}", w.ns())), &[]);
+        assert_eq!(r.status, 200, "{digest}");
+        assert_eq!(sha256_hex(&r.body), *digest, "bytes match their digest");
+        assert_eq!(r.body, w.image.blob(digest), "bytes match the pushed image");
+        assert_eq!(r.header("docker-content-digest"), *digest);
+        assert_eq!(r.header("accept-ranges"), "bytes");
+        assert_eq!(r.header("content-length"), r.body.len().to_string());
+        let h = http("HEAD", &ferry.url(&format!("{base}/blobs/{digest}")), &[]);
+        assert_eq!((h.status, h.header("content-length")), (200, r.body.len().to_string()));
+    }
+
+    // Ranges on a layer.
+    let layer = &w.image.layers[0];
+    let bytes = w.image.blob(layer);
+    let size = bytes.len();
+    let url = ferry.url(&format!("{base}/blobs/{layer}"));
+    for (range, start, end) in [
+        ("bytes=0-0", 0, 0),
+        ("bytes=1000-299999", 1000, 299_999),
+        ("bytes=-4096", size - 4096, size - 1),
+        (&format!("bytes={}-", size - 10) as &str, size - 10, size - 1),
+        (&format!("bytes=5-{}", size * 2) as &str, 5, size - 1),
+    ] {
+        let r = http("GET", &url, &[("range", range)]);
+        assert_eq!(r.status, 206, "{range}");
+        assert_eq!(r.header("content-range"), format!("bytes {start}-{end}/{size}"), "{range}");
+        assert_eq!(r.body, bytes[start..=end], "{range}");
+    }
+    let r = http("GET", &url, &[("range", &format!("bytes={size}-"))]);
+    assert_eq!((r.status, r.header("content-range")), (416, format!("bytes */{size}")));
+    let r = http("GET", &url, &[("range", "bytes=9-1")]);
+    assert_eq!(r.status, 400);
+
+    // A second containerd (another node's, without a Ferry of its own) pulls through the
+    // config Ferry wrote: every byte comes from Ferry, the upstream serves nothing.
+    let client = Containerd::start(&w.dir().join("client"));
+    w.node.ctr(&["-n", "k8s.io", "images", "ls"]);
+    client.pull("k8s.io", &w.reference(), &ferry.hosts_dir);
+    assert_eq!(
+        w.registry.served().len(),
+        upstream_after_first_pull,
+        "the upstream registry served nothing for the second pull: {:?}",
+        &w.registry.served()[upstream_after_first_pull..]
+    );
+    let listed = client.ctr(&["-n", "k8s.io", "images", "ls"]);
+    assert!(listed.contains(&w.image.manifest), "{listed}");
+    let metrics = http("GET", &format!("http://{}/metrics", ferry.metrics), &[]);
+    let text = String::from_utf8_lossy(&metrics.body);
+    let served: u64 = text
+        .lines()
+        .find(|l| l.starts_with("ferry_bytes_served_total{kind=\"blob\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let image_blob_bytes: usize = std::iter::once(&w.image.config)
+        .chain(&w.image.layers)
+        .map(|d| w.image.blob(d).len())
+        .sum();
+    // Our own checks above read each blob once; the client's pull read them all again.
+    assert!(
+        served as usize >= 2 * image_blob_bytes,
+        "ferry served {served} blob bytes, the image has {image_blob_bytes}"
+    );
+    assert!(text.contains("ferry_containerd_up 1"), "{text}");
+}
+
+#[test]
+fn containerd_store_passes_the_store_conformance_check() {
+    let w = World::new();
+    // No Ferry needed: the node pulls straight from the registry.
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).expect("hosts dir");
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    let fixture = Fixture {
+        registry: w.registry.addr.to_string(),
+        repository: w.repo.to_string(),
+        tag: w.image.tag.clone(),
+        manifest: w.image.manifest.parse().expect("digest"),
+        manifest_media_type: OCI_MANIFEST.to_string(),
+        blobs: w
+            .image
+            .digests()
+            .iter()
+            .map(|d| (d.parse().expect("digest"), Bytes::from(w.image.blob(d))))
+            .collect(),
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        // The fast path: files read from the content directory.
+        let direct = ContainerdStore::new(w.node.socket.clone(), "k8s.io".into(), w.node.content_dir());
+        conformance::check(&direct, &fixture).await;
+        // The fallback: an unreadable content dir, bytes streamed over gRPC.
+        let grpc = ContainerdStore::new(w.node.socket.clone(), "k8s.io".into(), w.dir().join("nowhere"));
+        conformance::check(&grpc, &fixture).await;
+        // Content is per namespace: another namespace sees none of it.
+        let other: Arc<dyn ContentStore> =
+            Arc::new(ContainerdStore::new(w.node.socket.clone(), "default".into(), w.node.content_dir()));
+        assert!(other.descriptor(&fixture.manifest).await.is_err());
+        assert!(other.open(&fixture.manifest, None).await.is_err());
+    });
+}
+
+#[test]
+fn bad_requests_get_the_specs_errors_and_never_a_file_outside_the_store() {
+    let w = World::new();
+    let ferry = Ferry::start(w.dir(), &w.node, &[]);
+    wait_for("ferry /readyz", || ferry.ready());
+    let missing = sha256_hex(b"nobody has this");
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("GET", "/v2/".into(), 200, ""),
+        ("GET", format!("/v2/team/app/blobs/{missing}"), 404, "BLOB_UNKNOWN"),
+        ("HEAD", format!("/v2/team/app/blobs/{missing}"), 404, ""),
+        ("GET", format!("/v2/team/app/manifests/{missing}"), 404, "MANIFEST_UNKNOWN"),
+        ("GET", format!("/v2/team/app/manifests/v1?{}", w.ns()), 404, "MANIFEST_UNKNOWN"),
+        ("GET", "/v2/team/app/manifests/v1".into(), 404, "MANIFEST_UNKNOWN"),
+        ("GET", "/v2/Team/app/manifests/v1".into(), 400, "NAME_INVALID"),
+        ("GET", "/v2/team%2F..%2Fx/manifests/v1".into(), 400, "NAME_INVALID"),
+        ("GET", "/v2/team/app/blobs/sha256:abc".into(), 400, "DIGEST_INVALID"),
+        ("GET", "/v2/team/app/blobs/md5:00".into(), 400, "DIGEST_INVALID"),
+        ("GET", "/v2/team/app/blobs/sha256:%2e%2e%2f".into(), 400, "NAME_INVALID"),
+        ("GET", "/v2/team/app/manifests/-bad-tag".into(), 400, "MANIFEST_INVALID"),
+        ("GET", "/v2/team/app/manifests/v1?ns=../../x".into(), 400, "NAME_INVALID"),
+        ("GET", "/v2/team/app/tags/list".into(), 404, "UNSUPPORTED"),
+        ("GET", "/etc/passwd".into(), 404, "UNSUPPORTED"),
+        ("PUT", format!("/v2/team/app/manifests/v1"), 405, "UNSUPPORTED"),
+        ("POST", "/v2/team/app/blobs/uploads/".into(), 405, "UNSUPPORTED"),
+        ("PATCH", "/v2/team/app/blobs/uploads/123".into(), 405, "UNSUPPORTED"),
+        ("DELETE", format!("/v2/team/app/blobs/{missing}"), 405, "UNSUPPORTED"),
+    ];
+    for (method, path, status, code) in cases {
+        let r = http(method, &ferry.url(&path), &[]);
+        assert_eq!(r.status, status, "{method} {path}: {:?}", String::from_utf8_lossy(&r.body));
+        if !code.is_empty() {
+            assert_eq!(r.error_code(), code, "{method} {path}");
+        }
+    }
+
+    // Paths an HTTP client library would normalise, sent verbatim.
+    for target in [
+        "/v2/team/../../etc/manifests/v1",
+        "/v2/../../../etc/passwd/blobs/sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        "/v2/a/blobs/sha256:../../../../etc/passwd",
+        "/v2/a/blobs//etc/passwd",
+        "/v2/a%00b/manifests/v1",
+        "/v2/a/manifests/v1%00",
+    ] {
+        let (status, body) = raw_request(ferry.mirror, "GET", target);
+        assert!(status == 400 || status == 404, "{target}: {status} {body}");
+        assert!(body.contains("\"errors\""), "{target}: {body}");
+        assert!(!body.contains("root:"), "{target} leaked a file");
+    }
+
+    // With the image present: a layer asked for as a manifest is refused, and bad ranges.
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).expect("hosts dir");
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    let layer = &w.image.layers[0];
+    let r = http("GET", &ferry.url(&format!("/v2/team/app/manifests/{layer}")), &[]);
+    assert_eq!((r.status, r.error_code().as_str()), (404, "MANIFEST_UNKNOWN"));
+    let url = ferry.url(&format!("/v2/team/app/blobs/{layer}"));
+    for bad in ["bytes=a-b", "bytes=0-1,4-5", "items=0-1", "bytes=--1"] {
+        let r = http("GET", &url, &[("range", bad)]);
+        assert_eq!((r.status, r.error_code().as_str()), (400, "UNSUPPORTED"), "{bad}");
+    }
+    // --registries filters what is served.
+    drop(ferry);
+    let only_other = Ferry::start(w.dir(), &w.node, &["--registries", "other.example"]);
+    let r = http("GET", &only_other.url(&format!("/v2/team/app/blobs/{layer}?{}", w.ns())), &[]);
+    assert_eq!((r.status, r.error_code().as_str()), (404, "NAME_UNKNOWN"));
+    let r = http("GET", &only_other.url(&format!("/v2/team/app/blobs/{layer}?ns=other.example")), &[]);
+    assert_eq!(r.status, 200);
+}
+
+#[test]
+fn ferry_starts_before_containerd_and_survives_its_restarts() {
+    let w = World::new();
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).expect("hosts dir");
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    let layer = w.image.layers[0].clone();
+    let mut node = w.node;
+    node.stop();
+
+    // containerd is down: Ferry still writes its config, listens, answers misses with 404,
+    // and is not ready.
+    let ferry = Ferry::start(w._tmp.path(), &node, &[]);
+    assert!(ferry.hosts_dir.join("_default/hosts.toml").exists());
+    let url = ferry.url(&format!("/v2/team/app/blobs/{layer}"));
+    assert_eq!(http("GET", &url, &[]).status, 404);
+    assert_eq!(http_status(&format!("http://{}/readyz", ferry.metrics)), Some(503));
+
+    node.restart();
+    wait_for("ferry ready once containerd is up", || ferry.ready());
+    let r = http("GET", &url, &[]);
+    assert_eq!((r.status, sha256_hex(&r.body)), (200, layer.clone()));
+
+    node.stop();
+    wait_for("ferry not ready while containerd is down", || !ferry.ready());
+    assert_eq!(http("GET", &url, &[]).status, 404);
+
+    node.restart();
+    wait_for("ferry ready again", || ferry.ready());
+    let r = http("GET", &url, &[]);
+    assert_eq!((r.status, sha256_hex(&r.body)), (200, layer));
+    let mut ferry = ferry;
+    assert!(ferry.proc.is_running(), "ferry never exits because of containerd");
+
+    // SIGTERM: a clean exit, and the hosts.toml entries stay.
+    ferry.proc.signal("TERM");
+    assert_eq!(ferry.proc.wait(Duration::from_secs(15)), Some(0));
+    assert!(ferry.hosts_dir.join("_default/hosts.toml").exists());
+}

@@ -1,0 +1,495 @@
+//! Test harness: real containerd, a real registry (Debian's `docker-registry`), images pushed
+//! with `skopeo`, and the real `ferry` binary, each in a temporary directory with its own
+//! sockets and state. Every process is stopped by its PID when its guard drops.
+//!
+//! Missing prerequisites fail the test with the command that installs them: these tests must
+//! never pass by skipping.
+#![allow(dead_code)]
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a freshly started daemon may take to answer before the test fails.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+const POLL: Duration = Duration::from_millis(20);
+
+pub const INSTALL_HINT: &str =
+    "apt-get install -y containerd docker-registry skopeo (or run ./scripts/test.sh, which does)";
+
+/// Fails the test (never skips) when a required program is missing.
+pub fn require(program: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(found, "`{program}` is required for this test: {INSTALL_HINT}");
+}
+
+pub fn free_addr() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr")
+}
+
+pub fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(start.elapsed() < START_TIMEOUT, "timed out waiting for {what}");
+        std::thread::sleep(POLL);
+    }
+}
+
+/// A child process killed (SIGKILL) and reaped on drop.
+#[derive(Debug)]
+pub struct Proc {
+    pub child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(mut cmd: Command, log: PathBuf) -> Proc {
+        let out = std::fs::File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
+        let child = cmd
+            .stdout(out)
+            .stderr(err)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+        Proc { child: Some(child), log }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Sends `signal` (e.g. "TERM") to this process only, by PID.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), self.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    /// Waits for exit and returns the exit code.
+    pub fn wait(&mut self, timeout: Duration) -> Option<i32> {
+        let start = Instant::now();
+        let child = self.child.as_mut()?;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return status.code();
+            }
+            if start.elapsed() > timeout {
+                return None;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A containerd with its own root, state, sockets and hosts dir under `dir`.
+#[derive(Debug)]
+pub struct Containerd {
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+    pub config: PathBuf,
+    pub hosts_dir: PathBuf,
+    pub proc: Proc,
+}
+
+impl Containerd {
+    pub fn start(dir: &Path) -> Containerd {
+        require("containerd");
+        require("ctr");
+        std::fs::create_dir_all(dir).expect("containerd dir");
+        let socket = dir.join("containerd.sock");
+        let hosts_dir = dir.join("certs.d");
+        let config = dir.join("containerd.toml");
+        let text = format!(
+            r#"version = 2
+root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{d}/containerd-ttrpc.sock"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{d}/opt"
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  snapshotter = "native"
+[plugins."io.containerd.grpc.v1.cri".registry]
+  config_path = "{hosts}"
+"#,
+            d = dir.display(),
+            sock = socket.display(),
+            hosts = hosts_dir.display()
+        );
+        std::fs::write(&config, text).expect("containerd config");
+        let mut c = Containerd {
+            dir: dir.to_path_buf(),
+            socket,
+            config,
+            hosts_dir,
+            proc: Proc {
+                child: None,
+                log: dir.join("containerd.log"),
+            },
+        };
+        c.restart();
+        c
+    }
+
+    /// Starts (again) with the same root: content and images survive, as on a real restart.
+    pub fn restart(&mut self) {
+        self.proc.stop();
+        let mut cmd = Command::new("containerd");
+        cmd.arg("--config").arg(&self.config);
+        self.proc = Proc::spawn(cmd, self.dir.join("containerd.log"));
+        let socket = self.socket.clone();
+        wait_for("containerd to answer", || ctr_ok(&socket, &["version"]));
+    }
+
+    pub fn stop(&mut self) {
+        self.proc.stop();
+    }
+
+    pub fn content_dir(&self) -> PathBuf {
+        self.dir.join("root/io.containerd.content.v1.content")
+    }
+
+    /// `ctr images pull --hosts-dir` into `namespace`; panics with ctr's output on failure.
+    pub fn pull(&self, namespace: &str, reference: &str, hosts_dir: &Path) -> String {
+        let out = Command::new("ctr")
+            .arg("--address")
+            .arg(&self.socket)
+            .args(["-n", namespace, "images", "pull", "--hosts-dir"])
+            .arg(hosts_dir)
+            .arg(reference)
+            .output()
+            .expect("run ctr");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "ctr pull {reference} failed:\n{text}");
+        text
+    }
+
+    pub fn ctr(&self, args: &[&str]) -> String {
+        let out = Command::new("ctr")
+            .arg("--address")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("run ctr");
+        assert!(out.status.success(), "ctr {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+fn ctr_ok(socket: &Path, args: &[&str]) -> bool {
+    Command::new("ctr")
+        .arg("--address")
+        .arg(socket)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Debian's `docker-registry` on a loopback port; its log proves what upstream served.
+#[derive(Debug)]
+pub struct Registry {
+    pub addr: SocketAddr,
+    pub proc: Proc,
+}
+
+impl Registry {
+    pub fn start(dir: &Path) -> Registry {
+        require("docker-registry");
+        std::fs::create_dir_all(dir).expect("registry dir");
+        let addr = free_addr();
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: {addr}\n",
+                dir.display()
+            ),
+        )
+        .expect("registry config");
+        let mut cmd = Command::new("docker-registry");
+        cmd.arg("serve").arg(&config);
+        let proc = Proc::spawn(cmd, dir.join("registry.log"));
+        wait_for("the registry to listen", || std::net::TcpStream::connect(addr).is_ok());
+        Registry { addr, proc }
+    }
+
+    /// Request URIs the registry has served for manifests and blobs, in order.
+    pub fn served(&self) -> Vec<String> {
+        self.proc
+            .log_text()
+            .lines()
+            .filter(|l| l.contains("response completed"))
+            .filter_map(|l| l.split("http.request.uri=\"").nth(1))
+            .filter_map(|rest| rest.split('"').next())
+            .filter(|uri| uri.contains("/manifests/") || uri.contains("/blobs/"))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+/// An image written as an OCI layout by `tests/support/make_image.py`.
+#[derive(Debug, Clone)]
+pub struct Image {
+    pub layout: PathBuf,
+    pub tag: String,
+    pub manifest: String,
+    pub config: String,
+    pub layers: Vec<String>,
+}
+
+impl Image {
+    pub fn generate(dir: &Path, tag: &str, layers: usize, bytes_per_layer: usize) -> Image {
+        require("python3");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/make_image.py");
+        let out = Command::new("python3")
+            .arg(script)
+            .arg(dir)
+            .arg(tag)
+            .arg(layers.to_string())
+            .arg(bytes_per_layer.to_string())
+            .output()
+            .expect("run make_image.py");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let manifest = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let image = Image {
+            layout: dir.to_path_buf(),
+            tag: tag.to_string(),
+            config: String::new(),
+            layers: Vec::new(),
+            manifest,
+        };
+        let m: serde_json::Value = serde_json::from_slice(&image.blob(&image.manifest)).expect("manifest json");
+        let config = m["config"]["digest"].as_str().expect("config digest").to_string();
+        let layers = m["layers"]
+            .as_array()
+            .expect("layers")
+            .iter()
+            .map(|l| l["digest"].as_str().expect("layer digest").to_string())
+            .collect();
+        Image { config, layers, ..image }
+    }
+
+    /// The bytes of a blob of this image, from the layout on disk.
+    pub fn blob(&self, digest: &str) -> Vec<u8> {
+        let hex = digest.strip_prefix("sha256:").expect("sha256 digest");
+        std::fs::read(self.layout.join("blobs/sha256").join(hex)).expect("blob in layout")
+    }
+
+    /// Every digest: manifest, config, layers.
+    pub fn digests(&self) -> Vec<String> {
+        let mut all = vec![self.manifest.clone(), self.config.clone()];
+        all.extend(self.layers.iter().cloned());
+        all
+    }
+
+    /// Pushes with skopeo to `<registry>/<repo>:<tag>`; digests are kept.
+    pub fn push(&self, registry: SocketAddr, repo: &str) {
+        require("skopeo");
+        let out = Command::new("skopeo")
+            .args(["copy", "--all", "--dest-tls-verify=false"])
+            .arg(format!("oci:{}:{}", self.layout.display(), self.tag))
+            .arg(format!("docker://{registry}/{repo}:{}", self.tag))
+            .output()
+            .expect("run skopeo");
+        assert!(out.status.success(), "skopeo: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+/// The real `ferry run` binary against a test containerd.
+#[derive(Debug)]
+pub struct Ferry {
+    pub mirror: SocketAddr,
+    pub metrics: SocketAddr,
+    pub hosts_dir: PathBuf,
+    pub proc: Proc,
+}
+
+impl Ferry {
+    pub fn bin() -> PathBuf {
+        PathBuf::from(env!("CARGO_BIN_EXE_ferry"))
+    }
+
+    /// Starts `ferry run` for `containerd` (which may be stopped), waits until it listens.
+    pub fn start(dir: &Path, containerd: &Containerd, extra: &[&str]) -> Ferry {
+        let mirror = free_addr();
+        let metrics = free_addr();
+        let mut cmd = Command::new(Self::bin());
+        cmd.arg("run")
+            .arg("--containerd-socket")
+            .arg(&containerd.socket)
+            .arg("--containerd-content-dir")
+            .arg(containerd.content_dir())
+            .arg("--containerd-config")
+            .arg(&containerd.config)
+            .arg("--hosts-dir")
+            .arg(&containerd.hosts_dir)
+            .arg("--mirror-addr")
+            .arg(mirror.to_string())
+            .arg("--metrics-addr")
+            .arg(metrics.to_string())
+            .arg("--data-dir")
+            .arg(dir.join("ferry-data"))
+            .args(["--log-level", "debug"])
+            .args(extra);
+        let proc = Proc::spawn(cmd, dir.join("ferry.log"));
+        wait_for("ferry to listen", || std::net::TcpStream::connect(mirror).is_ok());
+        Ferry {
+            mirror,
+            metrics,
+            hosts_dir: containerd.hosts_dir.clone(),
+            proc,
+        }
+    }
+
+    pub fn url(&self, path_and_query: &str) -> String {
+        format!("http://{}{path_and_query}", self.mirror)
+    }
+
+    pub fn ready(&self) -> bool {
+        http_status(&format!("http://{}/readyz", self.metrics)) == Some(200)
+    }
+}
+
+/// A blocking HTTP GET's status, `None` when the connection fails.
+pub fn http_status(url: &str) -> Option<u16> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async { reqwest::get(url).await.ok().map(|r| r.status().as_u16()) })
+}
+
+/// A snapshot of every file (path -> bytes and mode) and directory under `root`.
+pub fn snapshot(root: &Path) -> Vec<(PathBuf, Option<(Vec<u8>, u32)>)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read dir") {
+            let path = entry.expect("entry").path();
+            let rel = path.strip_prefix(root).expect("under root").to_path_buf();
+            if path.is_dir() {
+                stack.push(path);
+                out.push((rel, None));
+            } else {
+                let mode = std::fs::metadata(&path).expect("meta").permissions().mode();
+                out.push((rel, Some((std::fs::read(&path).expect("read"), mode))));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A finished HTTP exchange.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> String {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// The `errors[0].code` of an OCI error body.
+    pub fn error_code(&self) -> String {
+        let v: serde_json::Value = serde_json::from_slice(&self.body)
+            .unwrap_or_else(|_| panic!("not a JSON error body: {:?}", String::from_utf8_lossy(&self.body)));
+        v["errors"][0]["code"].as_str().unwrap_or_default().to_string()
+    }
+}
+
+/// A blocking request with optional headers.
+pub fn http(method: &str, url: &str, headers: &[(&str, &str)]) -> Resp {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let client = reqwest::Client::new();
+        let mut req = client.request(method.parse().expect("method"), url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let r = req.send().await.unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let body = r.bytes().await.unwrap_or_else(|e| panic!("{method} {url} body: {e}")).to_vec();
+        Resp { status, headers, body }
+    })
+}
+
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(data)))
+}
+
+/// Sends a request line verbatim (no URL normalisation, unlike an HTTP client library) and
+/// returns the status code and body.
+pub fn raw_request(addr: SocketAddr, method: &str, target: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    write!(s, "{method} {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("write");
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+    (status, body)
+}
