@@ -1,7 +1,10 @@
 //! Wiring. Start-up runs in fixed steps, in the order that makes Ferry useful soonest:
-//! 1. bind the mirror address; 2. write the hosts.toml entries (containerd now pulls through
-//! Ferry, and a miss is a fast 404); 3. bind the ops address; 4. spawn the servers and the
-//! containerd watcher, which never gives up; 5. on shutdown, drain within a grace period.
+//!
+//! 1. bind the mirror address;
+//! 2. write the hosts.toml entries (containerd now pulls through Ferry; a miss is a fast 404);
+//! 3. bind the ops address;
+//! 4. spawn the servers and the containerd watcher, which never gives up;
+//! 5. on shutdown, drain within a grace period.
 
 use std::future::Future;
 use std::net::SocketAddr;

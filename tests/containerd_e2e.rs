@@ -2,6 +2,8 @@
 //! config Ferry wrote, and Ferry serves every manifest and blob byte-for-byte from
 //! containerd's content store.
 
+#![allow(clippy::unwrap_used)] // test helpers panic by design
+
 mod support;
 
 use std::sync::Arc;
@@ -33,7 +35,13 @@ impl World {
         let image = Image::generate(&tmp.path().join("image"), "v1", 2, LAYER_BYTES);
         let repo = "team/app";
         image.push(registry.addr, repo);
-        World { _tmp: tmp, node, registry, image, repo }
+        World {
+            _tmp: tmp,
+            node,
+            registry,
+            image,
+            repo,
+        }
     }
 
     fn reference(&self) -> String {
@@ -59,7 +67,10 @@ fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
     // The first pull: Ferry has nothing yet, answers 404, containerd goes upstream.
     w.node.pull("k8s.io", &w.reference(), &w.node.hosts_dir);
     let upstream_after_first_pull = w.registry.served().len();
-    assert!(upstream_after_first_pull >= 4, "first pull came from upstream");
+    assert!(
+        upstream_after_first_pull >= 4,
+        "first pull came from upstream"
+    );
     assert!(
         ferry.proc.log_text().contains("status=404"),
         "containerd asked ferry first (a miss)"
@@ -67,23 +78,39 @@ fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
 
     // Every manifest and blob, from Ferry, byte-for-byte.
     let base = format!("/v2/{}", w.repo);
-    let by_tag = http("GET", &ferry.url(&format!("{base}/manifests/v1?{}", w.ns())), &[]);
+    let by_tag = http(
+        "GET",
+        &ferry.url(&format!("{base}/manifests/v1?{}", w.ns())),
+        &[],
+    );
     assert_eq!(by_tag.status, 200);
     assert_eq!(by_tag.header("docker-content-digest"), w.image.manifest);
     assert_eq!(by_tag.header("content-type"), OCI_MANIFEST);
     assert_eq!(by_tag.body, w.image.blob(&w.image.manifest));
-    let head = http("HEAD", &ferry.url(&format!("{base}/manifests/v1?{}", w.ns())), &[]);
+    let head = http(
+        "HEAD",
+        &ferry.url(&format!("{base}/manifests/v1?{}", w.ns())),
+        &[],
+    );
     assert_eq!(head.status, 200);
     assert_eq!(head.header("content-length"), by_tag.body.len().to_string());
     assert!(head.body.is_empty());
 
-    let by_digest = http("GET", &ferry.url(&format!("{base}/manifests/{}", w.image.manifest)), &[]);
+    let by_digest = http(
+        "GET",
+        &ferry.url(&format!("{base}/manifests/{}", w.image.manifest)),
+        &[],
+    );
     assert_eq!(by_digest.status, 200);
     assert_eq!(by_digest.header("content-type"), OCI_MANIFEST);
     assert_eq!(sha256_hex(&by_digest.body), w.image.manifest);
 
     for digest in std::iter::once(&w.image.config).chain(&w.image.layers) {
-        let r = http("GET", &ferry.url(&format!("{base}/blobs/{digest}?{}", w.ns())), &[]);
+        let r = http(
+            "GET",
+            &ferry.url(&format!("{base}/blobs/{digest}?{}", w.ns())),
+            &[],
+        );
         assert_eq!(r.status, 200, "{digest}");
         assert_eq!(sha256_hex(&r.body), *digest, "bytes match their digest");
         assert_eq!(r.body, w.image.blob(digest), "bytes match the pushed image");
@@ -91,7 +118,10 @@ fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
         assert_eq!(r.header("accept-ranges"), "bytes");
         assert_eq!(r.header("content-length"), r.body.len().to_string());
         let h = http("HEAD", &ferry.url(&format!("{base}/blobs/{digest}")), &[]);
-        assert_eq!((h.status, h.header("content-length")), (200, r.body.len().to_string()));
+        assert_eq!(
+            (h.status, h.header("content-length")),
+            (200, r.body.len().to_string())
+        );
     }
 
     // Ranges on a layer.
@@ -103,16 +133,27 @@ fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
         ("bytes=0-0", 0, 0),
         ("bytes=1000-299999", 1000, 299_999),
         ("bytes=-4096", size - 4096, size - 1),
-        (&format!("bytes={}-", size - 10) as &str, size - 10, size - 1),
+        (
+            &format!("bytes={}-", size - 10) as &str,
+            size - 10,
+            size - 1,
+        ),
         (&format!("bytes=5-{}", size * 2) as &str, 5, size - 1),
     ] {
         let r = http("GET", &url, &[("range", range)]);
         assert_eq!(r.status, 206, "{range}");
-        assert_eq!(r.header("content-range"), format!("bytes {start}-{end}/{size}"), "{range}");
+        assert_eq!(
+            r.header("content-range"),
+            format!("bytes {start}-{end}/{size}"),
+            "{range}"
+        );
         assert_eq!(r.body, bytes[start..=end], "{range}");
     }
     let r = http("GET", &url, &[("range", &format!("bytes={size}-"))]);
-    assert_eq!((r.status, r.header("content-range")), (416, format!("bytes */{size}")));
+    assert_eq!(
+        (r.status, r.header("content-range")),
+        (416, format!("bytes */{size}"))
+    );
     let r = http("GET", &url, &[("range", "bytes=9-1")]);
     assert_eq!(r.status, 400);
 
@@ -172,14 +213,22 @@ fn containerd_store_passes_the_store_conformance_check() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
         // The fast path: files read from the content directory.
-        let direct = ContainerdStore::new(w.node.socket.clone(), "k8s.io".into(), w.node.content_dir());
+        let direct =
+            ContainerdStore::new(w.node.socket.clone(), "k8s.io".into(), w.node.content_dir());
         conformance::check(&direct, &fixture).await;
         // The fallback: an unreadable content dir, bytes streamed over gRPC.
-        let grpc = ContainerdStore::new(w.node.socket.clone(), "k8s.io".into(), w.dir().join("nowhere"));
+        let grpc = ContainerdStore::new(
+            w.node.socket.clone(),
+            "k8s.io".into(),
+            w.dir().join("nowhere"),
+        );
         conformance::check(&grpc, &fixture).await;
         // Content is per namespace: another namespace sees none of it.
-        let other: Arc<dyn ContentStore> =
-            Arc::new(ContainerdStore::new(w.node.socket.clone(), "default".into(), w.node.content_dir()));
+        let other: Arc<dyn ContentStore> = Arc::new(ContainerdStore::new(
+            w.node.socket.clone(),
+            "default".into(),
+            w.node.content_dir(),
+        ));
         assert!(other.descriptor(&fixture.manifest).await.is_err());
         assert!(other.open(&fixture.manifest, None).await.is_err());
     });
@@ -193,28 +242,108 @@ fn bad_requests_get_the_specs_errors_and_never_a_file_outside_the_store() {
     let missing = sha256_hex(b"nobody has this");
     let cases: Vec<(&str, String, u16, &str)> = vec![
         ("GET", "/v2/".into(), 200, ""),
-        ("GET", format!("/v2/team/app/blobs/{missing}"), 404, "BLOB_UNKNOWN"),
+        (
+            "GET",
+            format!("/v2/team/app/blobs/{missing}"),
+            404,
+            "BLOB_UNKNOWN",
+        ),
         ("HEAD", format!("/v2/team/app/blobs/{missing}"), 404, ""),
-        ("GET", format!("/v2/team/app/manifests/{missing}"), 404, "MANIFEST_UNKNOWN"),
-        ("GET", format!("/v2/team/app/manifests/v1?{}", w.ns()), 404, "MANIFEST_UNKNOWN"),
-        ("GET", "/v2/team/app/manifests/v1".into(), 404, "MANIFEST_UNKNOWN"),
-        ("GET", "/v2/Team/app/manifests/v1".into(), 400, "NAME_INVALID"),
-        ("GET", "/v2/team%2F..%2Fx/manifests/v1".into(), 400, "NAME_INVALID"),
-        ("GET", "/v2/team/app/blobs/sha256:abc".into(), 400, "DIGEST_INVALID"),
-        ("GET", "/v2/team/app/blobs/md5:00".into(), 400, "DIGEST_INVALID"),
-        ("GET", "/v2/team/app/blobs/sha256:%2e%2e%2f".into(), 400, "NAME_INVALID"),
-        ("GET", "/v2/team/app/manifests/-bad-tag".into(), 400, "MANIFEST_INVALID"),
-        ("GET", "/v2/team/app/manifests/v1?ns=../../x".into(), 400, "NAME_INVALID"),
+        (
+            "GET",
+            format!("/v2/team/app/manifests/{missing}"),
+            404,
+            "MANIFEST_UNKNOWN",
+        ),
+        (
+            "GET",
+            format!("/v2/team/app/manifests/v1?{}", w.ns()),
+            404,
+            "MANIFEST_UNKNOWN",
+        ),
+        (
+            "GET",
+            "/v2/team/app/manifests/v1".into(),
+            404,
+            "MANIFEST_UNKNOWN",
+        ),
+        (
+            "GET",
+            "/v2/Team/app/manifests/v1".into(),
+            400,
+            "NAME_INVALID",
+        ),
+        (
+            "GET",
+            "/v2/team%2F..%2Fx/manifests/v1".into(),
+            400,
+            "NAME_INVALID",
+        ),
+        (
+            "GET",
+            "/v2/team/app/blobs/sha256:abc".into(),
+            400,
+            "DIGEST_INVALID",
+        ),
+        (
+            "GET",
+            "/v2/team/app/blobs/md5:00".into(),
+            400,
+            "DIGEST_INVALID",
+        ),
+        (
+            "GET",
+            "/v2/team/app/blobs/sha256:%2e%2e%2f".into(),
+            400,
+            "NAME_INVALID",
+        ),
+        (
+            "GET",
+            "/v2/team/app/manifests/-bad-tag".into(),
+            400,
+            "MANIFEST_INVALID",
+        ),
+        (
+            "GET",
+            "/v2/team/app/manifests/v1?ns=../../x".into(),
+            400,
+            "NAME_INVALID",
+        ),
         ("GET", "/v2/team/app/tags/list".into(), 404, "UNSUPPORTED"),
         ("GET", "/etc/passwd".into(), 404, "UNSUPPORTED"),
-        ("PUT", format!("/v2/team/app/manifests/v1"), 405, "UNSUPPORTED"),
-        ("POST", "/v2/team/app/blobs/uploads/".into(), 405, "UNSUPPORTED"),
-        ("PATCH", "/v2/team/app/blobs/uploads/123".into(), 405, "UNSUPPORTED"),
-        ("DELETE", format!("/v2/team/app/blobs/{missing}"), 405, "UNSUPPORTED"),
+        (
+            "PUT",
+            "/v2/team/app/manifests/v1".to_string(),
+            405,
+            "UNSUPPORTED",
+        ),
+        (
+            "POST",
+            "/v2/team/app/blobs/uploads/".into(),
+            405,
+            "UNSUPPORTED",
+        ),
+        (
+            "PATCH",
+            "/v2/team/app/blobs/uploads/123".into(),
+            405,
+            "UNSUPPORTED",
+        ),
+        (
+            "DELETE",
+            format!("/v2/team/app/blobs/{missing}"),
+            405,
+            "UNSUPPORTED",
+        ),
     ];
     for (method, path, status, code) in cases {
         let r = http(method, &ferry.url(&path), &[]);
-        assert_eq!(r.status, status, "{method} {path}: {:?}", String::from_utf8_lossy(&r.body));
+        assert_eq!(
+            r.status,
+            status,
+            "{method} {path}: {:?}",
+            String::from_utf8_lossy(&r.body)
+        );
         if !code.is_empty() {
             assert_eq!(r.error_code(), code, "{method} {path}");
         }
@@ -240,19 +369,38 @@ fn bad_requests_get_the_specs_errors_and_never_a_file_outside_the_store() {
     std::fs::create_dir_all(&hosts).expect("hosts dir");
     w.node.pull("k8s.io", &w.reference(), &hosts);
     let layer = &w.image.layers[0];
-    let r = http("GET", &ferry.url(&format!("/v2/team/app/manifests/{layer}")), &[]);
-    assert_eq!((r.status, r.error_code().as_str()), (404, "MANIFEST_UNKNOWN"));
+    let r = http(
+        "GET",
+        &ferry.url(&format!("/v2/team/app/manifests/{layer}")),
+        &[],
+    );
+    assert_eq!(
+        (r.status, r.error_code().as_str()),
+        (404, "MANIFEST_UNKNOWN")
+    );
     let url = ferry.url(&format!("/v2/team/app/blobs/{layer}"));
     for bad in ["bytes=a-b", "bytes=0-1,4-5", "items=0-1", "bytes=--1"] {
         let r = http("GET", &url, &[("range", bad)]);
-        assert_eq!((r.status, r.error_code().as_str()), (400, "UNSUPPORTED"), "{bad}");
+        assert_eq!(
+            (r.status, r.error_code().as_str()),
+            (400, "UNSUPPORTED"),
+            "{bad}"
+        );
     }
     // --registries filters what is served.
     drop(ferry);
     let only_other = Ferry::start(w.dir(), &w.node, &["--registries", "other.example"]);
-    let r = http("GET", &only_other.url(&format!("/v2/team/app/blobs/{layer}?{}", w.ns())), &[]);
+    let r = http(
+        "GET",
+        &only_other.url(&format!("/v2/team/app/blobs/{layer}?{}", w.ns())),
+        &[],
+    );
     assert_eq!((r.status, r.error_code().as_str()), (404, "NAME_UNKNOWN"));
-    let r = http("GET", &only_other.url(&format!("/v2/team/app/blobs/{layer}?ns=other.example")), &[]);
+    let r = http(
+        "GET",
+        &only_other.url(&format!("/v2/team/app/blobs/{layer}?ns=other.example")),
+        &[],
+    );
     assert_eq!(r.status, 200);
 }
 
@@ -272,7 +420,10 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
     assert!(ferry.hosts_dir.join("_default/hosts.toml").exists());
     let url = ferry.url(&format!("/v2/team/app/blobs/{layer}"));
     assert_eq!(http("GET", &url, &[]).status, 404);
-    assert_eq!(http_status(&format!("http://{}/readyz", ferry.metrics)), Some(503));
+    assert_eq!(
+        http_status(&format!("http://{}/readyz", ferry.metrics)),
+        Some(503)
+    );
 
     node.restart();
     wait_for("ferry ready once containerd is up", || ferry.ready());
@@ -280,7 +431,9 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
     assert_eq!((r.status, sha256_hex(&r.body)), (200, layer.clone()));
 
     node.stop();
-    wait_for("ferry not ready while containerd is down", || !ferry.ready());
+    wait_for("ferry not ready while containerd is down", || {
+        !ferry.ready()
+    });
     assert_eq!(http("GET", &url, &[]).status, 404);
 
     node.restart();
@@ -288,7 +441,10 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
     let r = http("GET", &url, &[]);
     assert_eq!((r.status, sha256_hex(&r.body)), (200, layer));
     let mut ferry = ferry;
-    assert!(ferry.proc.is_running(), "ferry never exits because of containerd");
+    assert!(
+        ferry.proc.is_running(),
+        "ferry never exits because of containerd"
+    );
 
     // SIGTERM: a clean exit, and the hosts.toml entries stay.
     ferry.proc.signal("TERM");

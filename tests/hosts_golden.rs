@@ -1,6 +1,8 @@
 //! Golden files for the hosts.toml merge: real-world configs in, exact bytes out, and cleanup
 //! back to the input byte-for-byte. See tests/golden/hosts/README.md.
 
+#![allow(clippy::unwrap_used)] // test helpers panic by design
+
 use std::fs;
 use std::path::{Path, PathBuf};
 

@@ -137,7 +137,7 @@ async fn manifest(
         Reference::Digest(digest) => (digest, None),
     };
     let found = state.store.descriptor(&digest).await;
-    if matches!(declared, None) {
+    if declared.is_none() {
         record(state, "manifest", &found);
     }
     let desc = found.map_err(ApiError::manifest)?;

@@ -26,7 +26,10 @@ pub fn require(program: &str) {
         .status()
         .map(|s| s.success())
         .unwrap_or(false);
-    assert!(found, "`{program}` is required for this test: {INSTALL_HINT}");
+    assert!(
+        found,
+        "`{program}` is required for this test: {INSTALL_HINT}"
+    );
 }
 
 pub fn free_addr() -> SocketAddr {
@@ -37,7 +40,10 @@ pub fn free_addr() -> SocketAddr {
 pub fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ready() {
-        assert!(start.elapsed() < START_TIMEOUT, "timed out waiting for {what}");
+        assert!(
+            start.elapsed() < START_TIMEOUT,
+            "timed out waiting for {what}"
+        );
         std::thread::sleep(POLL);
     }
 }
@@ -59,7 +65,10 @@ impl Proc {
             .stdin(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
-        Proc { child: Some(child), log }
+        Proc {
+            child: Some(child),
+            log,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -212,7 +221,11 @@ state = "{d}/state"
             .args(args)
             .output()
             .expect("run ctr");
-        assert!(out.status.success(), "ctr {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "ctr {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
@@ -253,7 +266,9 @@ impl Registry {
         let mut cmd = Command::new("docker-registry");
         cmd.arg("serve").arg(&config);
         let proc = Proc::spawn(cmd, dir.join("registry.log"));
-        wait_for("the registry to listen", || std::net::TcpStream::connect(addr).is_ok());
+        wait_for("the registry to listen", || {
+            std::net::TcpStream::connect(addr).is_ok()
+        });
         Registry { addr, proc }
     }
 
@@ -293,7 +308,11 @@ impl Image {
             .arg(bytes_per_layer.to_string())
             .output()
             .expect("run make_image.py");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let manifest = String::from_utf8_lossy(&out.stdout).trim().to_string();
         let image = Image {
             layout: dir.to_path_buf(),
@@ -302,15 +321,23 @@ impl Image {
             layers: Vec::new(),
             manifest,
         };
-        let m: serde_json::Value = serde_json::from_slice(&image.blob(&image.manifest)).expect("manifest json");
-        let config = m["config"]["digest"].as_str().expect("config digest").to_string();
+        let m: serde_json::Value =
+            serde_json::from_slice(&image.blob(&image.manifest)).expect("manifest json");
+        let config = m["config"]["digest"]
+            .as_str()
+            .expect("config digest")
+            .to_string();
         let layers = m["layers"]
             .as_array()
             .expect("layers")
             .iter()
             .map(|l| l["digest"].as_str().expect("layer digest").to_string())
             .collect();
-        Image { config, layers, ..image }
+        Image {
+            config,
+            layers,
+            ..image
+        }
     }
 
     /// The bytes of a blob of this image, from the layout on disk.
@@ -335,7 +362,11 @@ impl Image {
             .arg(format!("docker://{registry}/{repo}:{}", self.tag))
             .output()
             .expect("run skopeo");
-        assert!(out.status.success(), "skopeo: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "skopeo: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
@@ -376,7 +407,9 @@ impl Ferry {
             .args(["--log-level", "debug"])
             .args(extra);
         let proc = Proc::spawn(cmd, dir.join("ferry.log"));
-        wait_for("ferry to listen", || std::net::TcpStream::connect(mirror).is_ok());
+        wait_for("ferry to listen", || {
+            std::net::TcpStream::connect(mirror).is_ok()
+        });
         Ferry {
             mirror,
             metrics,
@@ -403,8 +436,11 @@ pub fn http_status(url: &str) -> Option<u16> {
     rt.block_on(async { reqwest::get(url).await.ok().map(|r| r.status().as_u16()) })
 }
 
+/// A path with, for files, its bytes and mode (`None` for directories).
+pub type Entry = (PathBuf, Option<(Vec<u8>, u32)>);
+
 /// A snapshot of every file (path -> bytes and mode) and directory under `root`.
-pub fn snapshot(root: &Path) -> Vec<(PathBuf, Option<(Vec<u8>, u32)>)> {
+pub fn snapshot(root: &Path) -> Vec<Entry> {
     use std::os::unix::fs::PermissionsExt;
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];
@@ -444,9 +480,16 @@ impl Resp {
 
     /// The `errors[0].code` of an OCI error body.
     pub fn error_code(&self) -> String {
-        let v: serde_json::Value = serde_json::from_slice(&self.body)
-            .unwrap_or_else(|_| panic!("not a JSON error body: {:?}", String::from_utf8_lossy(&self.body)));
-        v["errors"][0]["code"].as_str().unwrap_or_default().to_string()
+        let v: serde_json::Value = serde_json::from_slice(&self.body).unwrap_or_else(|_| {
+            panic!(
+                "not a JSON error body: {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        });
+        v["errors"][0]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
     }
 }
 
@@ -462,11 +505,22 @@ pub fn http(method: &str, url: &str, headers: &[(&str, &str)]) -> Resp {
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let r = req.send().await.unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+        let r = req
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{method} {url}: {e}"));
         let status = r.status().as_u16();
         let headers = r.headers().clone();
-        let body = r.bytes().await.unwrap_or_else(|e| panic!("{method} {url} body: {e}")).to_vec();
-        Resp { status, headers, body }
+        let body = r
+            .bytes()
+            .await
+            .unwrap_or_else(|e| panic!("{method} {url} body: {e}"))
+            .to_vec();
+        Resp {
+            status,
+            headers,
+            body,
+        }
     })
 }
 
@@ -480,8 +534,13 @@ pub fn sha256_hex(data: &[u8]) -> String {
 pub fn raw_request(addr: SocketAddr, method: &str, target: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    write!(s, "{method} {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("write");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        s,
+        "{method} {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("write");
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
     let text = String::from_utf8_lossy(&out).into_owned();
@@ -490,6 +549,10 @@ pub fn raw_request(addr: SocketAddr, method: &str, target: &str) -> (u16, String
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+    let body = text
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
     (status, body)
 }

@@ -1,0 +1,30 @@
+# Shared by scripts/test.sh and scripts/demo.sh. Source it; do not run it.
+
+# Installs the Debian packages Ferry's tests and demo need, when any is missing.
+ensure_packages() {
+    local missing=()
+    local pair
+    for pair in containerd:containerd ctr:containerd docker-registry:docker-registry \
+                skopeo:skopeo protoc:protobuf-compiler python3:python3 curl:curl ip:iproute2; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+        return 0
+    fi
+    # Unique package names, in order.
+    local pkgs
+    pkgs=$(printf '%s\n' "${missing[@]}" | awk '!seen[$0]++' | tr '\n' ' ')
+    echo "==> installing: $pkgs"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $pkgs >/dev/null
+}
+
+ensure_rust() {
+    if ! command -v cargo >/dev/null 2>&1; then
+        echo "cargo not found: install Rust from https://rustup.rs (stable, 1.85 or newer)" >&2
+        exit 1
+    fi
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Ferry's whole test suite, on a fresh Debian or Ubuntu machine (run as root, or with sudo):
+# installs containerd, docker-registry, skopeo and protoc when missing, checks formatting and
+# lints, then runs every test: unit, golden files, and the integration tests that start a real
+# containerd and a real registry. Those fail (never skip) if a prerequisite is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
+
+ensure_packages
+ensure_rust
+
+echo "==> cargo fmt --check"
+cargo fmt --all -- --check
+echo "==> cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets --locked -- -D warnings
+echo "==> cargo test"
+cargo test --locked --all-targets
+cargo test --locked --doc
+echo "==> all tests passed"

@@ -1,0 +1,294 @@
+//! The `ferry` binary's contract: configure and cleanup on a real hosts directory, exit codes,
+//! and configuration precedence. No containerd needed.
+
+#![allow(clippy::unwrap_used)] // test helpers panic by design
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use support::{Ferry, snapshot};
+
+fn ferry(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(Ferry::bin());
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    // Keep the machine's real containerd config out of these tests.
+    cmd.env("FERRY_CONTAINERD_CONFIG", "/nonexistent/containerd.toml");
+    cmd.output().expect("run ferry")
+}
+
+fn golden(case: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/hosts")
+        .join(case)
+        .join("input.toml");
+    std::fs::read_to_string(p).expect("golden input")
+}
+
+/// A hosts dir as operators have them: several registries with their own files, one file
+/// ferry cannot parse, a legacy certificate directory, an empty directory.
+fn operator_hosts_dir(root: &Path) {
+    let write = |host: &str, text: &str| {
+        std::fs::create_dir_all(root.join(host)).unwrap();
+        std::fs::write(root.join(host).join("hosts.toml"), text).unwrap();
+    };
+    write("docker.io", &golden("dockerhub-operator-mirror"));
+    write(
+        "registry.corp.example:5000",
+        &golden("private-ca-client-header"),
+    );
+    write("ghcr.io", &golden("comments-above-first-host"));
+    write("quay.io", &golden("crlf"));
+    write("10.0.0.5:5000", &golden("server-only-no-newline"));
+    write("broken.example", &golden("unparseable"));
+    std::fs::set_permissions(
+        root.join("registry.corp.example:5000/hosts.toml"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    std::fs::create_dir_all(root.join("legacy.example")).unwrap();
+    std::fs::write(
+        root.join("legacy.example/ca.crt"),
+        "-----BEGIN CERTIFICATE-----\n",
+    )
+    .unwrap();
+    std::fs::create_dir_all(root.join("empty.example")).unwrap();
+}
+
+#[test]
+fn configure_then_cleanup_leaves_the_hosts_dir_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hosts = tmp.path().join("certs.d");
+    operator_hosts_dir(&hosts);
+    let before = snapshot(&hosts);
+    let dir = hosts.to_str().unwrap();
+
+    let out = ferry(&["configure", "--hosts-dir", dir], &[]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("broken.example/hosts.toml: SKIPPED"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("legacy.example/hosts.toml: SKIPPED"),
+        "{stdout}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(hosts.join("broken.example/hosts.toml")).unwrap(),
+        golden("unparseable"),
+        "a file ferry cannot parse is left untouched"
+    );
+    assert!(!hosts.join("legacy.example/hosts.toml").exists());
+
+    // The mirror is first in every file containerd will read.
+    for host in [
+        "_default",
+        "docker.io",
+        "registry.corp.example:5000",
+        "ghcr.io",
+        "quay.io",
+        "10.0.0.5:5000",
+        "empty.example",
+    ] {
+        let text = std::fs::read_to_string(hosts.join(host).join("hosts.toml")).unwrap();
+        let first = text
+            .lines()
+            .find(|l| l.starts_with("[host."))
+            .unwrap_or_default();
+        assert_eq!(
+            first.trim_end(),
+            "[host.\"http://127.0.0.1:5480\"]",
+            "{host}:\n{text}"
+        );
+    }
+    let mode = std::fs::metadata(hosts.join("registry.corp.example:5000/hosts.toml"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "the file's mode is kept");
+
+    // Twice: nothing changes.
+    let configured = snapshot(&hosts);
+    let out = ferry(&["configure", "--hosts-dir", dir], &[]);
+    assert!(out.status.success());
+    assert_eq!(
+        snapshot(&hosts),
+        configured,
+        "a second configure changed files"
+    );
+
+    let out = ferry(&["cleanup", "--hosts-dir", dir], &[]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        snapshot(&hosts),
+        before,
+        "cleanup must restore the hosts dir exactly"
+    );
+}
+
+#[test]
+fn listed_registries_get_new_directories_that_cleanup_removes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hosts = tmp.path().join("certs.d");
+    std::fs::create_dir_all(&hosts).unwrap();
+    let dir = hosts.to_str().unwrap();
+    let out = ferry(
+        &[
+            "configure",
+            "--hosts-dir",
+            dir,
+            "--registries",
+            "docker.io,registry.local:5000",
+            "--mirror-addr",
+            "127.0.0.1:6000",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let docker = std::fs::read_to_string(hosts.join("docker.io/hosts.toml")).unwrap();
+    assert!(
+        docker.contains("server = \"https://registry-1.docker.io\""),
+        "{docker}"
+    );
+    assert!(
+        docker.contains("[host.\"http://127.0.0.1:6000\"]"),
+        "{docker}"
+    );
+    let local = std::fs::read_to_string(hosts.join("registry.local:5000/hosts.toml")).unwrap();
+    assert!(
+        local.contains("server = \"https://registry.local:5000\""),
+        "{local}"
+    );
+    assert!(
+        !hosts.join("_default").exists(),
+        "only the listed registries"
+    );
+
+    let out = ferry(&["cleanup", "--hosts-dir", dir], &[]);
+    assert!(out.status.success());
+    assert_eq!(snapshot(&hosts), vec![], "ferry's directories are gone");
+}
+
+#[test]
+fn bad_values_exit_64_with_one_line_naming_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("ferry.toml");
+    std::fs::write(&file, "log-format = \"yaml\"\n").unwrap();
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            vec!["configure", "--mirror-addr", "nope"],
+            vec![],
+            "mirror-addr",
+        ),
+        (
+            vec!["configure"],
+            vec![("FERRY_METRICS_ADDR", "1.2.3.4")],
+            "metrics-addr",
+        ),
+        (
+            vec!["configure", "--config", file.to_str().unwrap()],
+            vec![],
+            "log-format",
+        ),
+        (vec!["run", "--registries", "a/b"], vec![], "registries"),
+    ];
+    for (args, env, key) in cases {
+        let out = ferry(&args, &env);
+        assert_eq!(out.status.code(), Some(64), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(&format!("{key}:")), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn flag_beats_env_beats_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("ferry.toml");
+    let from = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    std::fs::write(&file, format!("hosts-dir = \"{}\"\n", from("file"))).unwrap();
+    let cfg = file.to_str().unwrap();
+    let only_file = ferry(&["configure", "--config", cfg], &[]);
+    assert!(only_file.status.success());
+    assert!(tmp.path().join("file/_default/hosts.toml").exists());
+    let env = from("env");
+    let with_env = ferry(
+        &["configure", "--config", cfg],
+        &[("FERRY_HOSTS_DIR", &env)],
+    );
+    assert!(with_env.status.success());
+    assert!(tmp.path().join("env/_default/hosts.toml").exists());
+    let flag = from("flag");
+    let with_flag = ferry(
+        &["configure", "--config", cfg, "--hosts-dir", &flag],
+        &[("FERRY_HOSTS_DIR", &env)],
+    );
+    assert!(with_flag.status.success());
+    assert!(tmp.path().join("flag/_default/hosts.toml").exists());
+}
+
+#[test]
+fn version_prints_the_crate_version() {
+    let out = ferry(&["version"], &[]);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("ferry {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn documented_config_file_parses_and_lists_every_key() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/ferry.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    for (key, default) in ferry::config::KEYS {
+        assert!(
+            text.contains(&format!("# {key} = \"{default}\"")),
+            "config/ferry.toml does not document {key} with its default {default:?}"
+        );
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let hosts = tmp.path().join("certs.d");
+    let out = ferry(
+        &[
+            "configure",
+            "--config",
+            path.to_str().unwrap(),
+            "--hosts-dir",
+            hosts.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+    // Uncommenting every key gives the defaults, which must load too.
+    let uncommented: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# ").filter(|l| l.contains(" = \"")))
+        .filter(|l| {
+            ferry::config::KEYS
+                .iter()
+                .any(|(k, _)| l.starts_with(&format!("{k} =")))
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let all = tmp.path().join("all.toml");
+    std::fs::write(&all, uncommented).unwrap();
+    let out = ferry(
+        &[
+            "configure",
+            "--config",
+            all.to_str().unwrap(),
+            "--hosts-dir",
+            hosts.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+}
