@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,10 +30,14 @@ struct World {
 
 impl World {
     fn new() -> World {
+        World::with_layers(2, LAYER_BYTES)
+    }
+
+    fn with_layers(layers: usize, bytes: usize) -> World {
         let tmp = tempfile::tempdir().expect("tempdir");
         let node = Containerd::start(&tmp.path().join("node"));
         let registry = Registry::start(&tmp.path().join("registry"));
-        let image = Image::generate(&tmp.path().join("image"), "v1", 2, LAYER_BYTES);
+        let image = Image::generate(&tmp.path().join("image"), "v1", layers, bytes);
         let repo = "team/app";
         image.push(registry.addr, repo);
         World {
@@ -406,7 +411,9 @@ fn bad_requests_get_the_specs_errors_and_never_a_file_outside_the_store() {
 
 #[test]
 fn ferry_starts_before_containerd_and_survives_its_restarts() {
-    let w = World::new();
+    // One large layer: larger than loopback socket buffers, so it is still being written
+    // when SIGTERM arrives below.
+    let w = World::with_layers(1, 48 * 1024 * 1024);
     let hosts = w.dir().join("plain-certs.d");
     std::fs::create_dir_all(&hosts).expect("hosts dir");
     w.node.pull("k8s.io", &w.reference(), &hosts);
@@ -439,6 +446,7 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
     node.restart();
     wait_for("ferry ready again", || ferry.ready());
     let r = http("GET", &url, &[]);
+    let w_layer = layer.clone();
     assert_eq!((r.status, sha256_hex(&r.body)), (200, layer));
     let mut ferry = ferry;
     assert!(
@@ -446,8 +454,28 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
         "ferry never exits because of containerd"
     );
 
-    // SIGTERM: a clean exit, and the hosts.toml entries stay.
+    // SIGTERM while a blob is in flight: the transfer completes, then a clean exit; the
+    // hosts.toml entries stay.
+    let mut conn = std::net::TcpStream::connect(ferry.mirror).unwrap();
+    write!(
+        conn,
+        "GET /v2/team/app/blobs/{layer} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        layer = w_layer
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    conn.read_exact(&mut first).unwrap();
     ferry.proc.signal("TERM");
+    std::thread::sleep(Duration::from_millis(200));
+    let mut rest = Vec::new();
+    conn.read_to_end(&mut rest).unwrap();
+    let response = [&first[..], &rest[..]].concat();
+    let split = response.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    assert_eq!(
+        sha256_hex(&response[split..]),
+        w_layer,
+        "the in-flight blob was completed"
+    );
     assert_eq!(ferry.proc.wait(Duration::from_secs(15)), Some(0));
     assert!(ferry.hosts_dir.join("_default/hosts.toml").exists());
 }
