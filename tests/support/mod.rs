@@ -321,17 +321,13 @@ impl Image {
             layers: Vec::new(),
             manifest,
         };
-        let m: serde_json::Value =
-            serde_json::from_slice(&image.blob(&image.manifest)).expect("manifest json");
-        let config = m["config"]["digest"]
-            .as_str()
-            .expect("config digest")
-            .to_string();
-        let layers = m["layers"]
-            .as_array()
-            .expect("layers")
+        let parsed = oci_spec::image::ImageManifest::from_reader(&image.blob(&image.manifest)[..])
+            .expect("an OCI image manifest");
+        let config = parsed.config().digest().to_string();
+        let layers = parsed
+            .layers()
             .iter()
-            .map(|l| l["digest"].as_str().expect("layer digest").to_string())
+            .map(|l| l.digest().to_string())
             .collect();
         Image {
             config,
