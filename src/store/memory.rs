@@ -37,6 +37,12 @@ impl MemoryStore {
         digest
     }
 
+    /// Stores `data` under a digest it may not match: for tests of what happens when a store
+    /// holds corrupt content.
+    pub fn put_as(&self, digest: &Digest, data: impl Into<Bytes>) {
+        self.write().blobs.insert(digest.clone(), data.into());
+    }
+
     /// Names an image: `<registry>/<repo>:<tag>` points at `manifest` of `media_type`.
     pub fn tag(&self, registry: &str, repo: &str, tag: &str, manifest: &Digest, media_type: &str) {
         let mut inner = self.write();
