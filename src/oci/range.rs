@@ -23,6 +23,19 @@ impl ByteRange {
     }
 }
 
+/// `(offset, length)` of what to read from a blob of `size` bytes: all of it, or the range
+/// clamped to the blob, so a caller passing a range for another size gets a short read, never
+/// an out-of-bounds one.
+pub fn span(range: Option<ByteRange>, size: u64) -> (u64, u64) {
+    match range {
+        Some(r) if r.start < size && r.start <= r.end => {
+            (r.start, r.end.min(size - 1) - r.start + 1)
+        }
+        Some(_) => (size, 0),
+        None => (0, size),
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RangeError {
     #[error("malformed Range header: {0}")]
@@ -148,6 +161,15 @@ mod tests {
             );
         }
         assert_eq!(parse("bytes=0-1,5-6", 100), Err(RangeError::MultipleRanges));
+    }
+
+    #[test]
+    fn spans_are_clamped() {
+        assert_eq!(span(None, 10), (0, 10));
+        assert_eq!(span(Some(ByteRange { start: 2, end: 4 }), 10), (2, 3));
+        assert_eq!(span(Some(ByteRange { start: 8, end: 40 }), 10), (8, 2));
+        assert_eq!(span(Some(ByteRange { start: 10, end: 12 }), 10), (10, 0));
+        assert_eq!(span(Some(ByteRange { start: 0, end: 0 }), 0), (0, 0));
     }
 
     #[test]

@@ -106,17 +106,8 @@ impl ContentStore for MemoryStore {
             .get(digest)
             .cloned()
             .ok_or(StoreError::NotFound)?;
-        let blob = match range {
-            // Ranges arrive clamped to the size by the caller; clamp again so a bad caller
-            // gets a short read rather than a panic.
-            Some(r) => {
-                let len = blob.len() as u64;
-                let start = r.start.min(len) as usize;
-                let end = (r.end.saturating_add(1)).min(len) as usize;
-                blob.slice(start..end.max(start))
-            }
-            None => blob,
-        };
+        let (offset, len) = crate::oci::range::span(range, blob.len() as u64);
+        let blob = blob.slice(offset as usize..(offset + len) as usize);
         let chunks: Vec<std::io::Result<Bytes>> = (0..blob.len())
             .step_by(CHUNK_BYTES)
             .map(|i| Ok(blob.slice(i..(i + CHUNK_BYTES).min(blob.len()))))

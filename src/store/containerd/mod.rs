@@ -133,11 +133,7 @@ impl ContentStore for ContainerdStore {
         range: Option<ByteRange>,
     ) -> Result<ByteStream, StoreError> {
         let size = self.info(digest).await?;
-        let (offset, len) = match range {
-            Some(r) if r.start < size => (r.start, r.end.min(size - 1) - r.start + 1),
-            Some(_) => (size, 0),
-            None => (0, size),
-        };
+        let (offset, len) = crate::oci::range::span(range, size);
         if len == 0 {
             return Ok(Box::pin(futures::stream::empty()));
         }
