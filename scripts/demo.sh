@@ -90,6 +90,7 @@ echo "==> starting ferry (mirror 127.0.0.1:$MIRROR_PORT)"
     --mirror-addr "127.0.0.1:$MIRROR_PORT" \
     --metrics-addr "127.0.0.1:$METRICS_PORT" \
     --data-dir "$WORK/ferry-data" \
+    --p2p false \
     --log-level debug >"$WORK/ferry.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$METRICS_PORT/readyz" >/dev/null && break; sleep 0.05; done
@@ -107,7 +108,7 @@ echo "==> a second containerd pulls the same image through the config ferry wrot
 start_containerd "$WORK/second"
 ctr --address "$WORK/second/containerd.sock" -n k8s.io images pull --hosts-dir "$WORK/node/certs.d" "$IMAGE" >/dev/null
 AFTER=$(upstream_requests)
-SERVED=$(curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | awk '/^ferry_bytes_served_total\{kind="blob"\}/ {print $2}')
+SERVED=$(curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | awk '/^ferry_bytes_served_total\{kind="blob",source="local"\}/ {print $2}')
 HITS=$(grep -c 'served method=GET path="/v2/demo/app/blobs/.*status=200' "$WORK/ferry.log" || true)
 WANT=$(python3 -c "import json;i=json.load(open('$WORK/image/index.json'));print(i['manifests'][0]['digest'])")
 GOT=$(ctr --address "$WORK/second/containerd.sock" -n k8s.io images ls | awk -v img="$IMAGE" '$1==img {print $3}')

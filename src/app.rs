@@ -16,11 +16,18 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
+use std::net::IpAddr;
+
+use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
 use crate::containerd_config::{self, Action, Outcome, preflight};
 use crate::metrics::Metrics;
 use crate::ops::{self, Readiness};
-use crate::registry::{self, RegistryState};
+use crate::registry::peer_fetch::PeerFetchConfig;
+use crate::registry::{self, PeerFetcher, RegistryState};
+use crate::routing::Router;
+use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
+use crate::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
+use crate::routing::sync::{self, SyncConfig};
 use crate::store::ContentStore;
 use crate::store::containerd::ContainerdStore;
 
@@ -61,17 +68,128 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         elapsed_us = started.elapsed().as_micros() as u64,
         "mirror listening and containerd hosts config written"
     );
-    let ops_listener = bind(config.metrics_addr).await?;
+    let ops = bind(config.metrics_addr).await?;
     for warning in preflight::check(&config.containerd_config, &config.hosts_dir) {
         tracing::warn!("{warning}");
     }
+    let peers = match &config.p2p {
+        Some(settings) => PeerSetup::from_settings(settings, &config.data_dir, &config.registries),
+        None => None,
+    };
+    let peer = match &peers {
+        Some(p) => Some(bind(p.p2p.peer_http_addr).await?),
+        None => None,
+    };
     let store: Arc<dyn ContentStore> = Arc::new(ContainerdStore::new(
         config.containerd_socket.clone(),
         config.containerd_namespace.clone(),
         config.containerd_content_dir.clone(),
     ));
-    serve(config, store, mirror, ops_listener, shutdown).await;
+    let listeners = Listeners { mirror, peer, ops };
+    serve(config, store, listeners, peers, shutdown).await;
     Ok(())
+}
+
+/// The bound sockets, so that tests can bind port 0 and start-up order stays explicit.
+#[derive(Debug)]
+pub struct Listeners {
+    /// containerd pulls through this (loopback).
+    pub mirror: TcpListener,
+    /// Other nodes fetch this node's content here; `None` without peer-to-peer.
+    pub peer: Option<TcpListener>,
+    /// `/metrics`, `/healthz`, `/readyz`.
+    pub ops: TcpListener,
+}
+
+/// Everything peer-to-peer needs, resolved from the settings.
+pub struct PeerSetup {
+    pub p2p: P2pConfig,
+    pub bootstrap: Arc<dyn Bootstrap>,
+    pub bootstrap_configured: bool,
+    pub fetch: PeerFetchConfig,
+    pub sync: SyncConfig,
+}
+
+impl std::fmt::Debug for PeerSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSetup")
+            .field("p2p", &self.p2p)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerSetup {
+    /// `None` (with a warning) when this host has no address other nodes could reach.
+    pub fn from_settings(
+        settings: &P2pSettings,
+        data_dir: &std::path::Path,
+        registries: &crate::config::Registries,
+    ) -> Option<PeerSetup> {
+        let Some(advertise) = settings.advertise_addr.or_else(first_non_loopback_ip) else {
+            tracing::warn!(
+                "no non-loopback address found: peer-to-peer is off; set --advertise-addr"
+            );
+            return None;
+        };
+        if advertise.is_loopback() {
+            tracing::warn!(%advertise, "advertising a loopback address: only peers on this host can reach it");
+        }
+        let peer_http_addr = settings
+            .peer_addr
+            .unwrap_or(SocketAddr::new(advertise, DEFAULT_PEER_PORT));
+        let mut sources: Vec<Box<dyn Bootstrap>> = vec![Box::new(StaticBootstrap {
+            addrs: settings.bootstrap_peers.clone(),
+        })];
+        if let Some(name) = &settings.bootstrap_dns {
+            sources.push(Box::new(DnsBootstrap {
+                name: name.clone(),
+                port: settings.p2p_addr.port(),
+            }));
+        }
+        Some(PeerSetup {
+            p2p: P2pConfig {
+                data_dir: data_dir.to_path_buf(),
+                listen: settings.p2p_addr,
+                advertise: Some(advertise),
+                peer_http_addr,
+                timing: ProvideTiming {
+                    ttl: settings.provide_ttl,
+                    interval: settings.reprovide_interval,
+                },
+            },
+            bootstrap: Arc::new(Bootstraps(sources)),
+            bootstrap_configured: !settings.bootstrap_peers.is_empty()
+                || settings.bootstrap_dns.is_some(),
+            fetch: PeerFetchConfig {
+                resolve_timeout: settings.resolve_timeout,
+                resolve_latest: settings.resolve_latest,
+            },
+            sync: SyncConfig {
+                registries: registries.clone(),
+                interval: settings.reprovide_interval,
+            },
+        })
+    }
+}
+
+/// The address other nodes most likely reach this one at: the first IPv4 address that is not
+/// loopback, else the first global-looking IPv6 one.
+fn first_non_loopback_ip() -> Option<IpAddr> {
+    let addrs = if_addrs::get_if_addrs().ok()?;
+    let usable: Vec<IpAddr> = addrs
+        .iter()
+        .map(|i| i.ip())
+        .filter(|ip| !ip.is_loopback())
+        .collect();
+    usable
+        .iter()
+        .find(|ip| ip.is_ipv4())
+        .or_else(|| {
+            usable
+                .iter()
+                .find(|ip| matches!(ip, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) != 0xfe80))
+        })
+        .copied()
 }
 
 /// Serves on already-bound listeners until `shutdown`, then drains. The hosts.toml entries
@@ -80,8 +198,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 pub async fn serve(
     config: Config,
     store: Arc<dyn ContentStore>,
-    mirror: TcpListener,
-    ops_listener: TcpListener,
+    listeners: Listeners,
+    peers: Option<PeerSetup>,
     shutdown: impl Future<Output = ()>,
 ) {
     let metrics = Arc::new(Metrics::new());
@@ -92,27 +210,60 @@ pub async fn serve(
 
     let token = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let registry = registry::router(RegistryState {
+    let router = peers
+        .as_ref()
+        .and_then(|p| start_router(p, &metrics, &token, &tracker));
+    let fetcher = match (&router, &peers) {
+        (Some(r), Some(p)) => Some(Arc::new(PeerFetcher::new(
+            r.clone(),
+            p.fetch,
+            metrics.clone(),
+        ))),
+        _ => None,
+    };
+    let state = RegistryState {
         store: store.clone(),
         registries: config.registries.clone(),
         metrics: metrics.clone(),
-    });
-    let stop = token.clone();
-    tracker.spawn(async move {
-        let server = axum::serve(mirror, registry).with_graceful_shutdown(stop.cancelled_owned());
-        if let Err(e) = server.await {
-            tracing::error!(error = %e, "mirror server failed");
-        }
-    });
-    let stop = token.clone();
-    let ops_router = ops::router(readiness.clone(), metrics.clone());
-    tracker.spawn(async move {
-        let server =
-            axum::serve(ops_listener, ops_router).with_graceful_shutdown(stop.cancelled_owned());
-        if let Err(e) = server.await {
-            tracing::error!(error = %e, "ops server failed");
-        }
-    });
+        peers: fetcher,
+    };
+    spawn_server(
+        &tracker,
+        &token,
+        "mirror",
+        listeners.mirror,
+        registry::router(state.clone()),
+    );
+    if let Some(listener) = listeners.peer {
+        // The peer address serves this node's own content only, never asks further.
+        let local_only = RegistryState {
+            peers: None,
+            ..state
+        };
+        spawn_server(
+            &tracker,
+            &token,
+            "peer",
+            listener,
+            registry::router(local_only),
+        );
+    }
+    spawn_server(
+        &tracker,
+        &token,
+        "ops",
+        listeners.ops,
+        ops::router(readiness.clone(), metrics.clone()),
+    );
+    if let (Some(router), Some(p)) = (&router, &peers) {
+        tracker.spawn(sync::run(
+            store.clone(),
+            router.clone(),
+            p.sync.clone(),
+            metrics.clone(),
+            token.clone(),
+        ));
+    }
     tracker.spawn(watch_containerd(
         store,
         readiness,
@@ -134,6 +285,50 @@ pub async fn serve(
     {
         tracing::warn!("grace period over; remaining requests are cut off");
     }
+}
+
+/// Starts the libp2p node. A failure (unreadable key, port in use) leaves Ferry serving this
+/// node's content alone: the mirror matters more than the peers.
+fn start_router(
+    peers: &PeerSetup,
+    metrics: &Arc<Metrics>,
+    token: &CancellationToken,
+    tracker: &TaskTracker,
+) -> Option<Arc<dyn Router>> {
+    match P2pRouter::start(
+        peers.p2p.clone(),
+        peers.bootstrap.clone(),
+        peers.bootstrap_configured,
+        metrics.clone(),
+        token.clone(),
+    ) {
+        Ok((router, task)) => {
+            tracker.spawn(async move {
+                let _ = task.await;
+            });
+            Some(Arc::new(router))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "peer-to-peer is off: serving this node's content only");
+            None
+        }
+    }
+}
+
+fn spawn_server(
+    tracker: &TaskTracker,
+    token: &CancellationToken,
+    name: &'static str,
+    listener: TcpListener,
+    router: axum::Router,
+) {
+    let stop = token.clone();
+    tracker.spawn(async move {
+        let server = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned());
+        if let Err(e) = server.await {
+            tracing::error!(error = %e, "{name} server failed");
+        }
+    });
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {

@@ -87,6 +87,46 @@ pub struct Flags {
     /// Ferry's own state [default: /var/lib/ferry]
     #[arg(long, global = true, env = "FERRY_DATA_DIR", value_name = "PATH")]
     pub data_dir: Option<String>,
+    /// Where other nodes fetch content from this one [default: <advertise-addr>:5481]
+    #[arg(long, global = true, env = "FERRY_PEER_ADDR", value_name = "ADDR")]
+    pub peer_addr: Option<String>,
+    /// libp2p (TCP) listen address [default: 0.0.0.0:5482]
+    #[arg(long, global = true, env = "FERRY_P2P_ADDR", value_name = "ADDR")]
+    pub p2p_addr: Option<String>,
+    /// The IP other nodes reach this node at [default: the first non-loopback address]
+    #[arg(long, global = true, env = "FERRY_ADVERTISE_ADDR", value_name = "IP")]
+    pub advertise_addr: Option<String>,
+    /// Comma-separated host:port (or multiaddrs) of other nodes' p2p addresses
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_BOOTSTRAP_PEERS",
+        value_name = "LIST"
+    )]
+    pub bootstrap_peers: Option<String>,
+    /// A DNS name whose A/AAAA records are nodes to dial (at the p2p port)
+    #[arg(long, global = true, env = "FERRY_BOOTSTRAP_DNS", value_name = "NAME")]
+    pub bootstrap_dns: Option<String>,
+    /// How long a provider lookup may take before a miss goes upstream [default: 20ms]
+    #[arg(long, global = true, env = "FERRY_RESOLVE_TIMEOUT", value_name = "DUR")]
+    pub resolve_timeout: Option<String>,
+    /// Whether `latest` tags are resolved through peers [default: false]
+    #[arg(long, global = true, env = "FERRY_RESOLVE_LATEST", value_name = "BOOL")]
+    pub resolve_latest: Option<String>,
+    /// Lifetime of this node's provider records in the DHT [default: 30m]
+    #[arg(long, global = true, env = "FERRY_PROVIDE_TTL", value_name = "DUR")]
+    pub provide_ttl: Option<String>,
+    /// How often records are re-announced, before they expire [default: 10m]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_REPROVIDE_INTERVAL",
+        value_name = "DUR"
+    )]
+    pub reprovide_interval: Option<String>,
+    /// Peer-to-peer on or off; off serves this node's content only [default: true]
+    #[arg(long, global = true, env = "FERRY_P2P", value_name = "BOOL")]
+    pub p2p: Option<String>,
     /// text or json [default: text]
     #[arg(long, global = true, env = "FERRY_LOG_FORMAT", value_name = "FORMAT")]
     pub log_format: Option<String>,
@@ -109,6 +149,16 @@ impl Flags {
             ("mirror-addr", &self.mirror_addr),
             ("metrics-addr", &self.metrics_addr),
             ("data-dir", &self.data_dir),
+            ("peer-addr", &self.peer_addr),
+            ("p2p-addr", &self.p2p_addr),
+            ("advertise-addr", &self.advertise_addr),
+            ("bootstrap-peers", &self.bootstrap_peers),
+            ("bootstrap-dns", &self.bootstrap_dns),
+            ("resolve-timeout", &self.resolve_timeout),
+            ("resolve-latest", &self.resolve_latest),
+            ("provide-ttl", &self.provide_ttl),
+            ("reprovide-interval", &self.reprovide_interval),
+            ("p2p", &self.p2p),
             ("log-format", &self.log_format),
             ("log-level", &self.log_level),
         ]

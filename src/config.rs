@@ -4,11 +4,12 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use crate::cli::Flags;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 11] = [
+pub const KEYS: [(&str, &str); 21] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -21,6 +22,16 @@ pub const KEYS: [(&str, &str); 11] = [
     ("mirror-addr", "127.0.0.1:5480"),
     ("metrics-addr", "0.0.0.0:5483"),
     ("data-dir", "/var/lib/ferry"),
+    ("peer-addr", ""),
+    ("p2p-addr", "0.0.0.0:5482"),
+    ("advertise-addr", ""),
+    ("bootstrap-peers", ""),
+    ("bootstrap-dns", ""),
+    ("resolve-timeout", "20ms"),
+    ("resolve-latest", "false"),
+    ("provide-ttl", "30m"),
+    ("reprovide-interval", "10m"),
+    ("p2p", "true"),
     ("log-format", "text"),
     ("log-level", "info"),
 ];
@@ -36,9 +47,29 @@ pub struct Config {
     pub mirror_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     pub data_dir: PathBuf,
+    pub p2p: Option<P2pSettings>,
     pub log_format: LogFormat,
     pub log_level: String,
 }
+
+/// The peer-to-peer settings; `None` when `p2p = false`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct P2pSettings {
+    /// `None`: `<advertise-addr>:5481`.
+    pub peer_addr: Option<SocketAddr>,
+    pub p2p_addr: SocketAddr,
+    /// `None`: the first non-loopback address of this host.
+    pub advertise_addr: Option<IpAddr>,
+    pub bootstrap_peers: Vec<libp2p::Multiaddr>,
+    pub bootstrap_dns: Option<String>,
+    pub resolve_timeout: Duration,
+    pub resolve_latest: bool,
+    pub provide_ttl: Duration,
+    pub reprovide_interval: Duration,
+}
+
+/// The default port of the peer address, next to the mirror's 5480.
+pub const DEFAULT_PEER_PORT: u16 = 5481;
 
 /// Which registries Ferry mirrors.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,7 +116,7 @@ impl Config {
             None => HashMap::new(),
         };
         let given: HashMap<&str, &str> = flags.given().into_iter().collect();
-        let value = |key: &str| -> String {
+        let value = &|key: &str| -> String {
             given
                 .get(key)
                 .map(|v| v.to_string())
@@ -110,6 +141,7 @@ impl Config {
             mirror_addr: addr("mirror-addr", &value("mirror-addr"))?,
             metrics_addr: addr("metrics-addr", &value("metrics-addr"))?,
             data_dir: path("data-dir", &value("data-dir"))?,
+            p2p: p2p_settings(&value)?,
             log_format: log_format(&value("log-format"))?,
             log_level: log_level(&value("log-level"))?,
         })
@@ -144,7 +176,8 @@ fn read_file(path: &Path) -> Result<HashMap<String, String>, ConfigError> {
         }
         let text = match value {
             toml::Value::String(s) => s,
-            toml::Value::Array(items) if key == "registries" => items
+            toml::Value::Boolean(b) => b.to_string(),
+            toml::Value::Array(items) if key == "registries" || key == "bootstrap-peers" => items
                 .into_iter()
                 .map(|i| match i {
                     toml::Value::String(s) => Ok(s),
@@ -165,6 +198,87 @@ fn read_file(path: &Path) -> Result<HashMap<String, String>, ConfigError> {
         values.insert(key, text);
     }
     Ok(values)
+}
+
+fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, ConfigError> {
+    if !boolean("p2p", &value("p2p"))? {
+        return Ok(None);
+    }
+    let optional = |key: &str| Some(value(key)).filter(|v| !v.is_empty());
+    let peer_addr = optional("peer-addr")
+        .map(|v| addr("peer-addr", &v))
+        .transpose()?;
+    let advertise_addr = optional("advertise-addr")
+        .map(|v| {
+            v.parse::<IpAddr>()
+                .map_err(|_| err("advertise-addr", format!("{v:?} is not an IP address")))
+        })
+        .transpose()?;
+    let bootstrap_peers = value("bootstrap-peers")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|p| crate::routing::bootstrap::parse_peer(p).map_err(|m| err("bootstrap-peers", m)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let bootstrap_dns = optional("bootstrap-dns");
+    if let Some(name) = &bootstrap_dns
+        && !name
+            .split('.')
+            .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+    {
+        return Err(err("bootstrap-dns", format!("{name:?} is not a DNS name")));
+    }
+    let provide_ttl = duration("provide-ttl", &value("provide-ttl"))?;
+    let reprovide_interval = duration("reprovide-interval", &value("reprovide-interval"))?;
+    if reprovide_interval >= provide_ttl {
+        return Err(err(
+            "reprovide-interval",
+            "must be shorter than provide-ttl, or records expire before they are renewed",
+        ));
+    }
+    Ok(Some(P2pSettings {
+        peer_addr,
+        p2p_addr: addr("p2p-addr", &value("p2p-addr"))?,
+        advertise_addr,
+        bootstrap_peers,
+        bootstrap_dns,
+        resolve_timeout: duration("resolve-timeout", &value("resolve-timeout"))?,
+        resolve_latest: boolean("resolve-latest", &value("resolve-latest"))?,
+        provide_ttl,
+        reprovide_interval,
+    }))
+}
+
+/// `20ms`, `5s`, `30m`, `2h`.
+pub fn duration(key: &str, v: &str) -> Result<Duration, ConfigError> {
+    let bad = || {
+        err(
+            key,
+            format!("{v:?} is not a duration such as 20ms, 5s, 30m or 2h"),
+        )
+    };
+    let split = v.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (n, unit) = v.split_at(split);
+    let n: u64 = n.parse().map_err(|_| bad())?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        _ => return Err(bad()),
+    };
+    if d.is_zero() {
+        return Err(err(key, "must be more than zero"));
+    }
+    Ok(d)
+}
+
+fn boolean(key: &str, v: &str) -> Result<bool, ConfigError> {
+    match v {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(err(key, format!("{v:?}: expected true or false"))),
+    }
 }
 
 fn path(key: &str, v: &str) -> Result<PathBuf, ConfigError> {

@@ -11,7 +11,8 @@
 //! - [`oci`]: pure domain code: digests, names, the `/v2/` path and Range parsers, errors.
 //! - [`store`]: the `ContentStore` trait, containerd and in-memory stores, conformance check.
 //! - [`containerd_config`]: the `hosts.toml` merge/cleanup and containerd config preflight.
-//! - [`registry`]: the axum handlers of the mirror address.
+//! - [`routing`]: the `Router` trait (libp2p Kademlia, in-memory), bootstrap, store sync.
+//! - [`registry`]: the axum handlers of the mirror and peer addresses, peer fetch.
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`metrics`]: every metric family in one place.
 
@@ -23,4 +24,5 @@ pub mod metrics;
 pub mod oci;
 pub mod ops;
 pub mod registry;
+pub mod routing;
 pub mod store;

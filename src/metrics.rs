@@ -21,6 +21,26 @@ pub struct KindLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    /// manifest, blob
+    pub kind: &'static str,
+    /// local (this node's containerd), peer (another node), miss (nobody: 404)
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// found, none
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// connect, status, body, verify
+    pub stage: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LookupLabels {
     pub kind: &'static str,
     /// hit, miss, unavailable
@@ -33,12 +53,22 @@ const DURATION_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
 ];
 
+/// Provider lookup buckets in seconds: a LAN DHT answers in about a millisecond; the
+/// default `--resolve-timeout` is 20 ms.
+const LOOKUP_BUCKETS: [f64; 10] = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0];
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
     pub request_duration: Family<KindLabels, Histogram>,
-    pub bytes_served: Family<KindLabels, Counter>,
+    pub bytes_served: Family<SourceLabels, Counter>,
+    pub served: Family<SourceLabels, Counter>,
+    pub peer_lookups: Family<ResultLabels, Counter>,
+    pub peer_lookup_duration: Histogram,
+    pub peer_failures: Family<StageLabels, Counter>,
+    pub peers_connected: Gauge,
+    pub keys_advertised: Gauge,
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
@@ -57,7 +87,13 @@ impl Metrics {
         let request_duration = Family::<KindLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(DURATION_BUCKETS)
         });
-        let bytes_served = Family::<KindLabels, Counter>::default();
+        let bytes_served = Family::<SourceLabels, Counter>::default();
+        let served = Family::<SourceLabels, Counter>::default();
+        let peer_lookups = Family::<ResultLabels, Counter>::default();
+        let peer_lookup_duration = Histogram::new(LOOKUP_BUCKETS);
+        let peer_failures = Family::<StageLabels, Counter>::default();
+        let peers_connected = Gauge::default();
+        let keys_advertised = Gauge::default();
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
@@ -73,8 +109,38 @@ impl Metrics {
         );
         registry.register(
             "bytes_served",
-            "Bytes of manifests and blobs sent to clients",
+            "Bytes of manifests and blobs sent to clients, by where they came from",
             bytes_served.clone(),
+        );
+        registry.register(
+            "served",
+            "Manifest and blob requests on the mirror address by source (local, peer, miss)",
+            served.clone(),
+        );
+        registry.register(
+            "peer_lookups",
+            "DHT provider lookups by result (found, none)",
+            peer_lookups.clone(),
+        );
+        registry.register(
+            "peer_lookup_duration_seconds",
+            "Time from a local miss to the first provider found (or giving up)",
+            peer_lookup_duration.clone(),
+        );
+        registry.register(
+            "peer_failures",
+            "Peer fetches that failed, by stage (connect, status, body, verify)",
+            peer_failures.clone(),
+        );
+        registry.register(
+            "peers_connected",
+            "Peers with an open libp2p connection",
+            peers_connected.clone(),
+        );
+        registry.register(
+            "keys_advertised",
+            "Digests and tags this node announces in the DHT",
+            keys_advertised.clone(),
         );
         registry.register(
             "store_lookups",
@@ -96,6 +162,12 @@ impl Metrics {
             requests,
             request_duration,
             bytes_served,
+            served,
+            peer_lookups,
+            peer_lookup_duration,
+            peer_failures,
+            peers_connected,
+            keys_advertised,
             lookups,
             containerd_up,
             hosts_config_written,

@@ -17,6 +17,9 @@ use ferry::store::conformance::{self, Fixture};
 use ferry::store::containerd::ContainerdStore;
 use support::*;
 
+/// These tests are about one node: no libp2p ports, so they can run side by side.
+const SINGLE_NODE: &[&str] = &["--p2p", "false"];
+
 /// Two layers of 1 MiB: big enough for multi-chunk streams and meaningful ranges.
 const LAYER_BYTES: usize = 1024 * 1024;
 
@@ -66,7 +69,7 @@ impl World {
 #[test]
 fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
     let w = World::new();
-    let ferry = Ferry::start(w.dir(), &w.node, &[]);
+    let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
     wait_for("ferry /readyz", || ferry.ready());
 
     // The first pull: Ferry has nothing yet, answers 404, containerd goes upstream.
@@ -179,7 +182,7 @@ fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
     let text = String::from_utf8_lossy(&metrics.body);
     let served: u64 = text
         .lines()
-        .find(|l| l.starts_with("ferry_bytes_served_total{kind=\"blob\"}"))
+        .find(|l| l.starts_with("ferry_bytes_served_total{kind=\"blob\",source=\"local\"}"))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
@@ -242,7 +245,7 @@ fn containerd_store_passes_the_store_conformance_check() {
 #[test]
 fn bad_requests_get_the_specs_errors_and_never_a_file_outside_the_store() {
     let w = World::new();
-    let ferry = Ferry::start(w.dir(), &w.node, &[]);
+    let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
     wait_for("ferry /readyz", || ferry.ready());
     let missing = sha256_hex(b"nobody has this");
     let cases: Vec<(&str, String, u16, &str)> = vec![
@@ -394,7 +397,11 @@ fn bad_requests_get_the_specs_errors_and_never_a_file_outside_the_store() {
     }
     // --registries filters what is served.
     drop(ferry);
-    let only_other = Ferry::start(w.dir(), &w.node, &["--registries", "other.example"]);
+    let only_other = Ferry::start(
+        w.dir(),
+        &w.node,
+        &["--registries", "other.example", "--p2p", "false"],
+    );
     let r = http(
         "GET",
         &only_other.url(&format!("/v2/team/app/blobs/{layer}?{}", w.ns())),
@@ -423,7 +430,7 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
 
     // containerd is down: Ferry still writes its config, listens, answers misses with 404,
     // and is not ready.
-    let ferry = Ferry::start(w._tmp.path(), &node, &[]);
+    let ferry = Ferry::start(w._tmp.path(), &node, SINGLE_NODE);
     assert!(ferry.hosts_dir.join("_default/hosts.toml").exists());
     let url = ferry.url(&format!("/v2/team/app/blobs/{layer}"));
     assert_eq!(http("GET", &url, &[]).status, 404);

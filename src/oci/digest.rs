@@ -74,6 +74,40 @@ impl Digest {
     }
 }
 
+/// Hashes bytes as they stream by, for checking against a [`Digest`] at the end.
+#[derive(Debug, Clone)]
+pub enum Hasher {
+    Sha256(sha2::Sha256),
+    Sha512(sha2::Sha512),
+}
+
+impl Hasher {
+    pub fn update(&mut self, data: &[u8]) {
+        match self {
+            Hasher::Sha256(h) => h.update(data),
+            Hasher::Sha512(h) => h.update(data),
+        }
+    }
+
+    /// Do the bytes seen so far hash to `digest`?
+    pub fn matches(self, digest: &Digest) -> bool {
+        let actual = match self {
+            Hasher::Sha256(h) => hex::encode(h.finalize()),
+            Hasher::Sha512(h) => hex::encode(h.finalize()),
+        };
+        actual == digest.hex
+    }
+}
+
+impl Digest {
+    pub fn hasher(&self) -> Hasher {
+        match self.algorithm {
+            Algorithm::Sha256 => Hasher::Sha256(sha2::Sha256::new()),
+            Algorithm::Sha512 => Hasher::Sha512(sha2::Sha512::new()),
+        }
+    }
+}
+
 impl FromStr for Digest {
     type Err = DigestError;
 
@@ -119,6 +153,18 @@ mod tests {
         assert_eq!(d, Digest::sha256_of(b""));
         assert!(d.matches(b""));
         assert!(!d.matches(b"x"));
+    }
+
+    #[test]
+    fn streaming_hasher_agrees_with_matches() {
+        let d = Digest::sha256_of(b"hello world");
+        let mut h = d.hasher();
+        h.update(b"hello ");
+        h.update(b"world");
+        assert!(h.matches(&d));
+        let mut h = d.hasher();
+        h.update(b"hello");
+        assert!(!h.matches(&d));
     }
 
     #[test]

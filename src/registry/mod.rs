@@ -3,6 +3,9 @@
 
 mod error;
 mod handlers;
+mod local;
+pub mod peer_fetch;
+mod resume;
 #[cfg(test)]
 mod tests;
 
@@ -15,6 +18,11 @@ use crate::metrics::Metrics;
 use crate::store::ContentStore;
 
 pub use error::ApiError;
+pub use peer_fetch::PeerFetcher;
+
+/// Set on requests one Ferry makes to another: the receiver answers from its own store only,
+/// so a request is never forwarded twice and two nodes can never loop.
+pub const HOP_HEADER: &str = "x-ferry-hop";
 
 /// What the handlers need; shared read-only by every request.
 #[derive(Clone)]
@@ -22,6 +30,9 @@ pub struct RegistryState {
     pub store: Arc<dyn ContentStore>,
     pub registries: Registries,
     pub metrics: Arc<Metrics>,
+    /// Other nodes, asked on a local miss. `None` on the peer address (local content only)
+    /// and when peer-to-peer is off.
+    pub peers: Option<Arc<PeerFetcher>>,
 }
 
 impl std::fmt::Debug for RegistryState {

@@ -53,6 +53,7 @@ async fn call(
         store: f.store.clone(),
         registries,
         metrics: f.metrics.clone(),
+        peers: None,
     });
     let request = Request::builder()
         .method(method)
@@ -237,7 +238,7 @@ async fn hits_misses_and_bytes_are_counted() {
         "{text}"
     );
     assert!(
-        text.contains(r#"ferry_bytes_served_total{kind="blob"} 100000"#),
+        text.contains(r#"ferry_bytes_served_total{kind="blob",source="local"} 100000"#),
         "{text}"
     );
     assert!(

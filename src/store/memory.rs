@@ -5,14 +5,31 @@ use std::sync::RwLock;
 
 use bytes::Bytes;
 
-use super::{ByteStream, ContentStore, Descriptor, StoreError};
+use futures::StreamExt;
+use tokio::sync::broadcast;
+use tokio_stream::wrappers::BroadcastStream;
+
+use super::{ByteStream, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
 /// Content and image names held in memory. Cloning shares nothing; wrap it in an `Arc`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryStore {
     inner: RwLock<Inner>,
+    changes: broadcast::Sender<()>,
 }
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self {
+            inner: RwLock::default(),
+            changes: broadcast::channel(CHANGE_BUFFER).0,
+        }
+    }
+}
+
+/// Change notifications carry no data; a lagging follower just looks again.
+const CHANGE_BUFFER: usize = 16;
 
 #[derive(Debug, Default)]
 struct Inner {
@@ -34,7 +51,12 @@ impl MemoryStore {
         let data = data.into();
         let digest = Digest::sha256_of(&data);
         self.write().blobs.insert(digest.clone(), data);
+        self.notify();
         digest
+    }
+
+    fn notify(&self) {
+        let _ = self.changes.send(());
     }
 
     /// Stores `data` under a digest it may not match: for tests of what happens when a store
@@ -55,10 +77,21 @@ impl MemoryStore {
                 media_type: Some(media_type.to_string()),
             },
         );
+        drop(inner);
+        self.notify();
+    }
+
+    /// Deletes an image name (its content stays, as in containerd until garbage collection).
+    pub fn untag(&self, registry: &str, repo: &str, tag: &str) {
+        self.write()
+            .images
+            .remove(&format!("{registry}/{repo}:{tag}"));
+        self.notify();
     }
 
     pub fn remove(&self, digest: &Digest) {
         self.write().blobs.remove(digest);
+        self.notify();
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
@@ -117,5 +150,24 @@ impl ContentStore for MemoryStore {
 
     async fn healthy(&self) -> bool {
         true
+    }
+
+    async fn images(&self) -> Result<Vec<ImageRecord>, StoreError> {
+        let mut images: Vec<ImageRecord> = self
+            .read()
+            .images
+            .iter()
+            .map(|(name, target)| ImageRecord {
+                name: name.clone(),
+                target: target.clone(),
+            })
+            .collect();
+        images.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(images)
+    }
+
+    async fn changes(&self) -> Result<ChangeStream, StoreError> {
+        let stream = BroadcastStream::new(self.changes.subscribe()).map(|_| ());
+        Ok(Box::pin(stream))
     }
 }

@@ -16,6 +16,19 @@ use crate::oci::{ByteRange, Digest};
 /// the connection so containerd never mistakes a truncated body for a complete one.
 pub type ByteStream = Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>;
 
+/// Something in the store changed (an image was created, updated or deleted, content was
+/// deleted): whoever follows the store looks again. The stream ends when the connection to
+/// the store is lost.
+pub type ChangeStream = Pin<Box<dyn Stream<Item = ()> + Send>>;
+
+/// A named image: `<registry>/<repo>:<tag>` (or `...@<digest>`) and the manifest or index it
+/// points at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRecord {
+    pub name: String,
+    pub target: Descriptor,
+}
+
 /// What the store knows about a piece of content.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Descriptor {
@@ -62,4 +75,10 @@ pub trait ContentStore: Send + Sync + 'static {
 
     /// Does the store answer at all? Drives `/readyz` and the `containerd_up` metric.
     async fn healthy(&self) -> bool;
+
+    /// Every named image.
+    async fn images(&self) -> Result<Vec<ImageRecord>, StoreError>;
+
+    /// Change notifications from now on.
+    async fn changes(&self) -> Result<ChangeStream, StoreError>;
 }

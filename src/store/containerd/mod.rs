@@ -8,15 +8,18 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use containerd_client::services::v1::content_client::ContentClient;
+use containerd_client::services::v1::events_client::EventsClient;
 use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::services::v1::version_client::VersionClient;
-use containerd_client::services::v1::{GetImageRequest, InfoRequest, ReadContentRequest};
+use containerd_client::services::v1::{
+    GetImageRequest, InfoRequest, ListImagesRequest, ReadContentRequest, SubscribeRequest,
+};
 use containerd_client::tonic::transport::Channel;
 use containerd_client::tonic::{Code, Request, Status};
 use containerd_client::with_namespace;
 use futures::StreamExt;
 
-use super::{ByteStream, ContentStore, Descriptor, StoreError};
+use super::{ByteStream, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
 /// How long the health probe waits for containerd before calling it down.
@@ -153,7 +156,57 @@ impl ContentStore for ContainerdStore {
             Ok(Ok(_))
         )
     }
+
+    async fn images(&self) -> Result<Vec<ImageRecord>, StoreError> {
+        let request = self.request(ListImagesRequest {
+            filters: Vec::new(),
+        });
+        let images = ImagesClient::new(self.channel.clone())
+            .list(request)
+            .await
+            .map_err(status_error)?
+            .into_inner()
+            .images;
+        Ok(images
+            .into_iter()
+            .filter_map(|image| {
+                let target = image.target?;
+                Some(ImageRecord {
+                    name: image.name,
+                    target: Descriptor {
+                        digest: target.digest.parse().ok()?,
+                        size: u64::try_from(target.size).ok()?,
+                        media_type: Some(target.media_type),
+                    },
+                })
+            })
+            .collect())
+    }
+
+    async fn changes(&self) -> Result<ChangeStream, StoreError> {
+        let request = SubscribeRequest {
+            filters: vec![format!("namespace=={}", self.namespace)],
+        };
+        // Subscriptions are long-lived: no per-call timeout (the channel's applies to headers).
+        let stream = EventsClient::new(self.channel.clone())
+            .subscribe(request)
+            .await
+            .map_err(status_error)?
+            .into_inner();
+        let changes = stream
+            .take_while(|item| futures::future::ready(item.is_ok()))
+            .filter_map(|item| {
+                let relevant = item
+                    .ok()
+                    .is_some_and(|e| RELEVANT_TOPICS.iter().any(|t| e.topic.starts_with(t)));
+                futures::future::ready(relevant.then_some(()))
+            });
+        Ok(Box::pin(changes))
+    }
 }
+
+/// Event topics that change what a node can serve.
+const RELEVANT_TOPICS: [&str; 2] = ["/images/", "/content/"];
 
 fn status_error(status: Status) -> StoreError {
     match status.code() {

@@ -1,0 +1,456 @@
+//! Fetching from other nodes on a local miss: find providers in the DHT (bounded by
+//! `--resolve-timeout`), then ask their peer addresses over HTTP, one after the other, until one
+//! answers. Blobs stream through and resume on the next provider if a peer fails mid-transfer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::StreamExt;
+
+use super::HOP_HEADER;
+use super::resume::{Fetch, ResumingBody};
+use crate::metrics::{Metrics, ResultLabels, SourceLabels, StageLabels};
+use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
+use crate::oci::{self, Digest, Reference};
+use crate::routing::{Peer, Router, digest_key, tag_key};
+
+/// A peer on the same LAN connects in well under a millisecond; one that takes longer than
+/// this is down or overloaded, and the next provider (or upstream) is the better bet.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// From request to response headers. A local store answers in milliseconds.
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest silence allowed mid-body before the transfer moves to the next provider.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
+const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
+/// A peer that just failed is tried last for this long.
+const FAILED_PEER_BACKOFF: Duration = Duration::from_secs(30);
+/// Providers arriving this soon after the first are kept as failover candidates.
+const MORE_PROVIDERS_GRACE: Duration = Duration::from_millis(2);
+/// Manifest media types we accept from peers, most specific first.
+const MANIFEST_ACCEPT: &str = "application/vnd.oci.image.index.v1+json, application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json, application/vnd.docker.distribution.manifest.v2+json";
+
+/// What the mirror was asked, as it is forwarded to peers.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerRequest<'a> {
+    pub name: &'a str,
+    pub ns: Option<&'a str>,
+    pub head: bool,
+    pub range: Option<&'a str>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct PeerFetchConfig {
+    /// How long a lookup may take before the miss goes upstream.
+    pub resolve_timeout: Duration,
+    /// Whether `latest` tags are resolved through peers (mutable: stale is worse than a miss).
+    pub resolve_latest: bool,
+}
+
+pub struct PeerFetcher {
+    router: Arc<dyn Router>,
+    client: reqwest::Client,
+    config: PeerFetchConfig,
+    metrics: Arc<Metrics>,
+    /// One owner each: the cache of recent lookups and the peers that failed recently.
+    cache: Mutex<HashMap<String, (Instant, Vec<Peer>)>>,
+    failed: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl std::fmt::Debug for PeerFetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerFetcher")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerFetcher {
+    pub fn new(router: Arc<dyn Router>, config: PeerFetchConfig, metrics: Arc<Metrics>) -> Self {
+        let client = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            // Peers are addressed by IP on the node network; never through a proxy.
+            .no_proxy()
+            .build()
+            .unwrap_or_default();
+        PeerFetcher {
+            router,
+            client,
+            config,
+            metrics,
+            cache: Mutex::new(HashMap::new()),
+            failed: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// A blob (or one range of it) from the first provider that answers.
+    pub async fn blob(&self, req: PeerRequest<'_>, digest: Digest) -> Option<Response> {
+        let providers = self.providers(&digest_key(&digest)).await;
+        let path = format!("/v2/{}/blobs/{digest}", req.name);
+        let mut candidates = providers.into_iter();
+        while let Some(peer) = candidates.next() {
+            let url = peer_url(&peer, &path, req.ns);
+            let mut request = if req.head {
+                self.client.head(&url)
+            } else {
+                self.client.get(&url)
+            };
+            request = request.header(HOP_HEADER, "1");
+            if let Some(range) = req.range {
+                request = request.header(header::RANGE, range);
+            }
+            let response = match tokio::time::timeout(RESPONSE_TIMEOUT, request.send()).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    self.peer_failed(&peer, "connect", &e.to_string());
+                    continue;
+                }
+                Err(_) => {
+                    self.peer_failed(&peer, "connect", "no response in time");
+                    continue;
+                }
+            };
+            let status = response.status();
+            if status == StatusCode::RANGE_NOT_SATISFIABLE {
+                // The peer has the blob; the range is wrong for everyone.
+                return Some(forward_headers(&response, Body::empty()));
+            }
+            if status != StatusCode::OK && status != StatusCode::PARTIAL_CONTENT {
+                if status != StatusCode::NOT_FOUND {
+                    self.peer_failed(&peer, "status", status.as_str());
+                }
+                continue;
+            }
+            if req.head {
+                return Some(forward_headers(&response, Body::empty()));
+            }
+            let Some(fetch) = Fetch::from_response(&response, digest.clone()) else {
+                self.peer_failed(&peer, "status", "response without a usable length");
+                continue;
+            };
+            let first = response.bytes_stream().boxed();
+            let remaining: Vec<Peer> = candidates.collect();
+            let body = ResumingBody::new(
+                fetch.clone(),
+                peer.clone(),
+                first,
+                remaining,
+                self.resumer(path.clone(), req.ns.map(str::to_string)),
+            );
+            let metrics = self.metrics.clone();
+            let counted = body.into_stream().inspect(move |chunk| {
+                if let Ok(c) = chunk {
+                    metrics
+                        .bytes_served
+                        .get_or_create(&SourceLabels {
+                            kind: "blob",
+                            source: "peer",
+                        })
+                        .inc_by(c.len() as u64);
+                }
+            });
+            return Some(fetch.response(Body::from_stream(counted)));
+        }
+        None
+    }
+
+    /// A manifest from the first provider whose bytes match the digest (asked for, or the
+    /// one the peer names for a tag). Manifests are small: verified whole before serving.
+    pub async fn manifest(&self, req: PeerRequest<'_>, reference: Reference) -> Option<Response> {
+        let key = match &reference {
+            Reference::Digest(d) => digest_key(d),
+            Reference::Tag(tag) => {
+                if tag == "latest" && !self.config.resolve_latest {
+                    return None;
+                }
+                tag_key(req.ns?, req.name, tag)
+            }
+        };
+        let path = format!("/v2/{}/manifests/{reference}", req.name);
+        for peer in self.providers(&key).await {
+            match self.fetch_manifest(&peer, &path, req.ns, &reference).await {
+                Ok((media_type, digest, bytes)) => {
+                    let len = bytes.len();
+                    let body = if req.head {
+                        Body::empty()
+                    } else {
+                        Body::from(bytes)
+                    };
+                    if !req.head {
+                        self.metrics
+                            .bytes_served
+                            .get_or_create(&SourceLabels {
+                                kind: "manifest",
+                                source: "peer",
+                            })
+                            .inc_by(len as u64);
+                    }
+                    return Response::builder()
+                        .status(StatusCode::OK)
+                        .header(header::CONTENT_TYPE, media_type)
+                        .header(header::CONTENT_LENGTH, len)
+                        .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string())
+                        .body(body)
+                        .ok();
+                }
+                Err((stage, reason)) => self.peer_failed(&peer, stage, &reason),
+            }
+        }
+        None
+    }
+
+    async fn fetch_manifest(
+        &self,
+        peer: &Peer,
+        path: &str,
+        ns: Option<&str>,
+        reference: &Reference,
+    ) -> Result<(String, Digest, Bytes), (&'static str, String)> {
+        let request = self
+            .client
+            .get(peer_url(peer, path, ns))
+            .header(HOP_HEADER, "1")
+            .header(header::ACCEPT, MANIFEST_ACCEPT);
+        let response = tokio::time::timeout(RESPONSE_TIMEOUT, request.send())
+            .await
+            .map_err(|_| ("connect", "no response in time".to_string()))?
+            .map_err(|e| ("connect", e.to_string()))?;
+        if response.status() != StatusCode::OK {
+            return Err(("status", response.status().to_string()));
+        }
+        if response
+            .content_length()
+            .is_some_and(|l| l > MAX_MANIFEST_BYTES)
+        {
+            return Err(("status", "manifest too large".into()));
+        }
+        let named = response
+            .headers()
+            .get(oci::DOCKER_CONTENT_DIGEST)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<Digest>().ok());
+        let declared = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let mut bytes = Vec::new();
+        let mut stream = response.bytes_stream();
+        while let Some(chunk) = tokio::time::timeout(IDLE_TIMEOUT, stream.next())
+            .await
+            .map_err(|_| ("body", "stalled".to_string()))?
+        {
+            let chunk = chunk.map_err(|e| ("body", e.to_string()))?;
+            if (bytes.len() + chunk.len()) as u64 > MAX_MANIFEST_BYTES {
+                return Err(("body", "manifest too large".into()));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        let digest = match reference {
+            Reference::Digest(d) => d.clone(),
+            Reference::Tag(_) => named.ok_or(("verify", "no Docker-Content-Digest".to_string()))?,
+        };
+        if !digest.matches(&bytes) {
+            return Err(("verify", format!("bytes do not match {digest}")));
+        }
+        let media_type = declared
+            .filter(|t| is_manifest_media_type(t))
+            .or_else(|| sniff_media_type(&bytes).map(str::to_string))
+            .ok_or(("verify", "not a manifest".to_string()))?;
+        Ok((media_type, digest, Bytes::from(bytes)))
+    }
+
+    /// Providers of `key`: cached if recent, else from the router, waiting at most
+    /// `resolve_timeout` for the first one. Peers that failed recently go last.
+    async fn providers(&self, key: &str) -> Vec<Peer> {
+        if let Some(peers) = self.cached(key) {
+            return peers;
+        }
+        let started = Instant::now();
+        let mut stream = self.router.lookup(key).await;
+        let mut found = Vec::new();
+        if let Ok(Some(first)) =
+            tokio::time::timeout(self.config.resolve_timeout, stream.recv()).await
+        {
+            found.push(first);
+            // Others that arrive right behind the first are failover candidates.
+            while let Ok(Some(more)) =
+                tokio::time::timeout(MORE_PROVIDERS_GRACE, stream.recv()).await
+            {
+                if !found.contains(&more) {
+                    found.push(more);
+                }
+            }
+        }
+        self.metrics
+            .peer_lookup_duration
+            .observe(started.elapsed().as_secs_f64());
+        let result = if found.is_empty() { "none" } else { "found" };
+        self.metrics
+            .peer_lookups
+            .get_or_create(&ResultLabels { result })
+            .inc();
+        if !found.is_empty() {
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.retain(|_, (at, _)| at.elapsed() < LOOKUP_CACHE_TTL);
+            cache.insert(key.to_string(), (Instant::now(), found.clone()));
+        }
+        self.order_by_health(found)
+    }
+
+    fn cached(&self, key: &str) -> Option<Vec<Peer>> {
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let (at, peers) = cache.get(key)?;
+        (at.elapsed() < LOOKUP_CACHE_TTL).then(|| self.order_by_health(peers.clone()))
+    }
+
+    fn order_by_health(&self, mut peers: Vec<Peer>) -> Vec<Peer> {
+        let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        let recently_failed = |p: &Peer| {
+            failed
+                .get(&p.id)
+                .is_some_and(|at| at.elapsed() < FAILED_PEER_BACKOFF)
+        };
+        peers.sort_by_key(recently_failed);
+        peers
+    }
+
+    fn peer_failed(&self, peer: &Peer, stage: &'static str, reason: &str) {
+        record_failure(&self.metrics, &self.failed, peer, stage, reason);
+    }
+
+    /// What the resuming body needs to ask the next provider for the rest.
+    fn resumer(&self, path: String, ns: Option<String>) -> Resumer {
+        Resumer {
+            client: self.client.clone(),
+            path,
+            ns,
+            metrics: self.metrics.clone(),
+            failed: self.failed.clone(),
+        }
+    }
+}
+
+/// Asks a provider for the rest of a blob (`Range: bytes=<offset>-<end>`).
+#[derive(Clone)]
+pub(super) struct Resumer {
+    client: reqwest::Client,
+    path: String,
+    ns: Option<String>,
+    metrics: Arc<Metrics>,
+    failed: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl Resumer {
+    pub(super) async fn request(
+        &self,
+        peer: &Peer,
+        start: u64,
+        end: u64,
+    ) -> Option<reqwest::Response> {
+        let request = self
+            .client
+            .get(peer_url(peer, &self.path, self.ns.as_deref()))
+            .header(HOP_HEADER, "1")
+            .header(header::RANGE, format!("bytes={start}-{end}"));
+        match tokio::time::timeout(RESPONSE_TIMEOUT, request.send()).await {
+            Ok(Ok(r)) if r.status() == StatusCode::PARTIAL_CONTENT => Some(r),
+            Ok(Ok(r)) => {
+                self.failed(peer, "status", r.status().as_str());
+                None
+            }
+            Ok(Err(e)) => {
+                self.failed(peer, "connect", &e.to_string());
+                None
+            }
+            Err(_) => {
+                self.failed(peer, "connect", "no response in time");
+                None
+            }
+        }
+    }
+
+    pub(super) fn failed(&self, peer: &Peer, stage: &'static str, reason: &str) {
+        record_failure(&self.metrics, &self.failed, peer, stage, reason);
+    }
+}
+
+fn record_failure(
+    metrics: &Metrics,
+    failed: &Mutex<HashMap<String, Instant>>,
+    peer: &Peer,
+    stage: &'static str,
+    reason: &str,
+) {
+    tracing::warn!(peer = %peer.id, addr = %peer.addr, stage, reason, "peer fetch failed; trying the next provider");
+    metrics
+        .peer_failures
+        .get_or_create(&StageLabels { stage })
+        .inc();
+    let mut failed = failed.lock().unwrap_or_else(|e| e.into_inner());
+    failed.retain(|_, at| at.elapsed() < FAILED_PEER_BACKOFF);
+    failed.insert(peer.id.clone(), Instant::now());
+}
+
+fn peer_url(peer: &Peer, path: &str, ns: Option<&str>) -> String {
+    match ns {
+        Some(ns) => {
+            let encoded: String = form_urlencoded::byte_serialize(ns.as_bytes()).collect();
+            format!("http://{}{path}?{}={encoded}", peer.addr, oci::NS_PARAM)
+        }
+        None => format!("http://{}{path}", peer.addr),
+    }
+}
+
+/// The peer's status and the headers that describe the content, with our body.
+fn forward_headers(response: &reqwest::Response, body: Body) -> Response {
+    let mut out = Response::builder().status(response.status());
+    for name in [
+        header::CONTENT_TYPE,
+        header::CONTENT_LENGTH,
+        header::CONTENT_RANGE,
+        header::ACCEPT_RANGES,
+        header::ETAG,
+    ] {
+        if let Some(v) = response.headers().get(&name) {
+            out = out.header(name, v.clone());
+        }
+    }
+    if let Some(v) = response.headers().get(oci::DOCKER_CONTENT_DIGEST) {
+        out = out.header(oci::DOCKER_CONTENT_DIGEST, v.clone());
+    }
+    out.body(body).unwrap_or_default()
+}
+
+impl Fetch {
+    /// The response headers for this transfer, whichever peers end up serving it.
+    pub(super) fn response(&self, body: Body) -> Response {
+        let mut out = Response::builder()
+            .status(if self.partial {
+                StatusCode::PARTIAL_CONTENT
+            } else {
+                StatusCode::OK
+            })
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .header(header::CONTENT_LENGTH, self.len)
+            .header(header::ACCEPT_RANGES, "bytes")
+            .header(oci::DOCKER_CONTENT_DIGEST, self.digest.to_string());
+        if self.partial
+            && let Ok(v) = HeaderValue::from_str(&format!(
+                "bytes {}-{}/{}",
+                self.start,
+                self.start + self.len - 1,
+                self.total
+            ))
+        {
+            out = out.header(header::CONTENT_RANGE, v);
+        }
+        out.body(body).unwrap_or_default()
+    }
+}

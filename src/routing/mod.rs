@@ -1,0 +1,61 @@
+//! Who has a key: the narrow [`Router`] trait, its libp2p implementation, an in-memory one for
+//! tests, bootstrap sources, and the sync that advertises what the store holds.
+//!
+//! Keys are strings in one key space for all registries: a digest (`sha256:<hex>`) for content,
+//! `<registry>/<repo>:<tag>` for tag resolution. The registry never sees libp2p types.
+
+pub mod bootstrap;
+pub mod memory;
+pub mod p2p;
+pub mod sync;
+
+use std::net::SocketAddr;
+
+use tokio::sync::mpsc;
+
+use crate::oci::Digest;
+
+/// A node that has content, and where its peer address serves it over HTTP.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Peer {
+    /// A stable identity (the libp2p peer ID), used to skip a peer that just failed.
+    pub id: String,
+    pub addr: SocketAddr,
+}
+
+/// Providers as they are found. The stream ends when the lookup is over (found all, none,
+/// timed out or failed): it can never hang.
+pub type PeerStream = mpsc::Receiver<Peer>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("the routing task has stopped")]
+    Stopped,
+    #[error("cannot advertise: {0}")]
+    Advertise(String),
+}
+
+#[async_trait::async_trait]
+pub trait Router: Send + Sync + 'static {
+    /// Connected to at least one peer (or alone by configuration).
+    fn ready(&self) -> bool;
+
+    /// Providers of `key`, this node excluded.
+    async fn lookup(&self, key: &str) -> PeerStream;
+
+    /// Announces that this node serves `keys`.
+    async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError>;
+
+    /// Stops announcing `keys` (other nodes forget them when their records expire).
+    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RouterError>;
+}
+
+/// The key for content with this digest.
+pub fn digest_key(digest: &Digest) -> String {
+    digest.to_string()
+}
+
+/// The key for a tag: `<registry>/<repo>:<tag>`, as containerd names images.
+pub fn tag_key(registry: &str, repository: &str, tag: &str) -> String {
+    format!("{registry}/{repository}:{tag}")
+}

@@ -1,0 +1,102 @@
+//! The swarm's behaviour: Kademlia (server mode, private protocol name) and identify, which
+//! carries each node's HTTP peer address in its agent version.
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use libp2p::identity::Keypair;
+use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
+use libp2p::swarm::NetworkBehaviour;
+use libp2p::{StreamProtocol, identify, kad};
+
+/// Kademlia protocol name: private, so Ferry's DHT never mixes with IPFS or other networks.
+pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
+/// Identify protocol version; peers speaking another are not added to the DHT.
+pub const IDENTIFY_PROTOCOL: &str = "/ferry/id/1.0.0";
+/// Prefix of the identify agent version, followed by the node's HTTP peer address.
+const AGENT_PREFIX: &str = "ferry/";
+const PEER_ADDR_MARK: &str = " peer-addr=";
+
+/// A bound on every Kademlia query, so every lookup and announcement finishes. A cluster DHT
+/// answers in milliseconds; this only matters when peers vanish mid-query.
+pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
+/// A node serves every digest of every image it holds; 10,000 is common on a busy node.
+const MAX_PROVIDED_KEYS: usize = 1_000_000;
+const MAX_RECORDS: usize = 1_000_000;
+
+#[derive(NetworkBehaviour)]
+pub struct Behaviour {
+    pub kad: kad::Behaviour<MemoryStore>,
+    pub identify: identify::Behaviour,
+}
+
+/// Timing of provider records (see `--provide-ttl`, `--reprovide-interval`).
+#[derive(Debug, Clone, Copy)]
+pub struct ProvideTiming {
+    pub ttl: Duration,
+    pub interval: Duration,
+}
+
+impl Behaviour {
+    pub fn new(key: &Keypair, peer_http_addr: SocketAddr, timing: ProvideTiming) -> Self {
+        let peer_id = key.public().to_peer_id();
+        let mut config = kad::Config::new(KAD_PROTOCOL);
+        config
+            .set_query_timeout(QUERY_TIMEOUT)
+            .set_provider_record_ttl(Some(timing.ttl))
+            .set_provider_publication_interval(Some(timing.interval))
+            // Ferry stores no values in the DHT, only provider records.
+            .set_record_ttl(None)
+            .set_publication_interval(None);
+        if let Some(n) = NonZeroUsize::new(20) {
+            config.set_replication_factor(n);
+        }
+        let store_config = MemoryStoreConfig {
+            max_records: MAX_RECORDS,
+            max_provided_keys: MAX_PROVIDED_KEYS,
+            ..MemoryStoreConfig::default()
+        };
+        let store = MemoryStore::with_config(peer_id, store_config);
+        let mut kad = kad::Behaviour::with_config(peer_id, store, config);
+        // On a private network there may never be a confirmed external address, and a client
+        // stores no records: be a server from the start.
+        kad.set_mode(Some(kad::Mode::Server));
+        let identify = identify::Behaviour::new(
+            identify::Config::new(IDENTIFY_PROTOCOL.to_string(), key.public())
+                .with_agent_version(agent_version(peer_http_addr))
+                // Only the explicit external (advertise) address is shared, never the
+                // expansion of 0.0.0.0 into every local address, loopback included.
+                .with_hide_listen_addrs(true),
+        );
+        Behaviour { kad, identify }
+    }
+}
+
+pub fn agent_version(peer_http_addr: SocketAddr) -> String {
+    format!(
+        "{AGENT_PREFIX}{}{PEER_ADDR_MARK}{peer_http_addr}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// The HTTP peer address announced in an agent version, if it is a Ferry's.
+pub fn peer_addr_of(agent_version: &str) -> Option<SocketAddr> {
+    if !agent_version.starts_with(AGENT_PREFIX) {
+        return None;
+    }
+    agent_version.split_once(PEER_ADDR_MARK)?.1.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_version_round_trip() {
+        let addr: SocketAddr = "10.1.2.3:5481".parse().unwrap();
+        assert_eq!(peer_addr_of(&agent_version(addr)), Some(addr));
+        assert_eq!(peer_addr_of("rust-libp2p/0.1 peer-addr=1.2.3.4:1"), None);
+        assert_eq!(peer_addr_of("ferry/0.1 peer-addr=nonsense"), None);
+    }
+}

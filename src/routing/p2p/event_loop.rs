@@ -1,0 +1,289 @@
+//! The one task that owns the `Swarm`. Everything else talks to it through commands; every
+//! pending lookup ends on every outcome (found, none, timeout, error, shutdown), because its
+//! reply channel is dropped when the query is over.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::StreamExt;
+use libp2p::kad::{self, GetProvidersOk, QueryId, QueryResult};
+use libp2p::swarm::SwarmEvent;
+use libp2p::{PeerId, Swarm, identify};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, peer_addr_of};
+use super::{Command, Status};
+use crate::metrics::Metrics;
+use crate::routing::Peer;
+use crate::routing::bootstrap::Bootstrap;
+
+/// While no peer is connected, the bootstrap sources are dialled again this often: the first
+/// node of a cluster finds the others as they come up.
+const REBOOTSTRAP_INTERVAL: Duration = Duration::from_secs(10);
+/// With peers connected, the DHT routing table is refreshed this often.
+const KAD_BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(300);
+
+pub(crate) struct EventLoop {
+    swarm: Swarm<Behaviour>,
+    commands: mpsc::Receiver<Command>,
+    /// To send ourselves `Dial` after an asynchronous bootstrap resolution.
+    self_commands: mpsc::Sender<Command>,
+    status: Arc<Status>,
+    bootstrap: Arc<dyn Bootstrap>,
+    metrics: Arc<Metrics>,
+    /// HTTP peer addresses learned through identify.
+    http_addrs: HashMap<PeerId, SocketAddr>,
+    /// Open provider lookups, with the providers already sent.
+    lookups: HashMap<QueryId, (mpsc::Sender<Peer>, HashSet<PeerId>)>,
+    /// Providers found before we knew their HTTP address: delivered once identify arrives,
+    /// dropped (ending those lookups' streams) when the dial fails or the peer goes away.
+    awaiting_identify: HashMap<PeerId, Vec<mpsc::Sender<Peer>>>,
+    kad_bootstrapped: bool,
+}
+
+impl EventLoop {
+    pub(crate) fn new(
+        swarm: Swarm<Behaviour>,
+        commands: mpsc::Receiver<Command>,
+        self_commands: mpsc::Sender<Command>,
+        status: Arc<Status>,
+        bootstrap: Arc<dyn Bootstrap>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        EventLoop {
+            swarm,
+            commands,
+            self_commands,
+            status,
+            bootstrap,
+            metrics,
+            http_addrs: HashMap::new(),
+            lookups: HashMap::new(),
+            awaiting_identify: HashMap::new(),
+            kad_bootstrapped: false,
+        }
+    }
+
+    pub(crate) async fn run(mut self, token: CancellationToken) {
+        let mut rebootstrap = tokio::time::interval(REBOOTSTRAP_INTERVAL);
+        let mut refresh = tokio::time::interval(KAD_BOOTSTRAP_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => break,
+                command = self.commands.recv() => match command {
+                    Some(c) => self.on_command(c),
+                    None => break,
+                },
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                _ = rebootstrap.tick() => {
+                    if self.status.connected.load(Ordering::Relaxed) == 0 {
+                        self.resolve_bootstrap();
+                    }
+                }
+                _ = refresh.tick() => {
+                    if self.status.connected.load(Ordering::Relaxed) > 0 {
+                        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+                    }
+                }
+            }
+        }
+        tracing::debug!("peer-to-peer task stopped");
+    }
+
+    /// DNS can be slow: resolve off the loop, then dial through our own command queue.
+    fn resolve_bootstrap(&self) {
+        let bootstrap = self.bootstrap.clone();
+        let commands = self.self_commands.clone();
+        tokio::spawn(async move {
+            let addrs = bootstrap.peers().await;
+            if !addrs.is_empty() {
+                let _ = commands.send(Command::Dial { addrs }).await;
+            }
+        });
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Lookup { key, reply } => {
+                let id = self
+                    .swarm
+                    .behaviour_mut()
+                    .kad
+                    .get_providers(key.into_bytes().into());
+                self.lookups.insert(id, (reply, HashSet::new()));
+            }
+            Command::Advertise { keys, reply } => {
+                let kad = &mut self.swarm.behaviour_mut().kad;
+                let mut error = None;
+                for key in keys {
+                    if let Err(e) = kad.start_providing(key.into_bytes().into()) {
+                        error.get_or_insert(e.to_string());
+                    }
+                }
+                let _ = reply.send(error.map_or(Ok(()), Err));
+            }
+            Command::Withdraw { keys } => {
+                let kad = &mut self.swarm.behaviour_mut().kad;
+                for key in keys {
+                    kad.stop_providing(&key.into_bytes().into());
+                }
+            }
+            Command::Dial { addrs } => {
+                for addr in addrs {
+                    if let Err(e) = self.swarm.dial(addr.clone()) {
+                        tracing::debug!(%addr, error = %e, "dial failed");
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad_event(event),
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => self.on_identified(peer_id, info),
+            SwarmEvent::ConnectionEstablished {
+                peer_id, endpoint, ..
+            } => {
+                if endpoint.is_dialer() {
+                    // A bootstrap dial: Kademlia learns the address it worked at.
+                    let addr = endpoint.get_remote_address().clone();
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+                self.update_connected();
+                if !self.kad_bootstrapped {
+                    self.kad_bootstrapped = self.swarm.behaviour_mut().kad.bootstrap().is_ok();
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established,
+                ..
+            } => {
+                if num_established == 0 {
+                    self.awaiting_identify.remove(&peer_id);
+                }
+                self.update_connected();
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                tracing::debug!(?peer_id, %error, "outgoing connection failed");
+                if let Some(peer) = peer_id {
+                    self.awaiting_identify.remove(&peer);
+                }
+            }
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::debug!(%address, "listening for peers");
+            }
+            other => tracing::trace!(event = ?other, "swarm event"),
+        }
+    }
+
+    fn on_kad_event(&mut self, event: kad::Event) {
+        match event {
+            kad::Event::OutboundQueryProgressed {
+                id,
+                result: QueryResult::GetProviders(result),
+                step,
+                ..
+            } => {
+                match result {
+                    Ok(GetProvidersOk::FoundProviders { providers, .. }) => {
+                        for provider in providers {
+                            self.deliver(id, provider);
+                        }
+                    }
+                    Ok(GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => {
+                        self.lookups.remove(&id);
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "provider lookup ended");
+                        self.lookups.remove(&id);
+                    }
+                }
+                if step.last {
+                    self.lookups.remove(&id);
+                }
+            }
+            kad::Event::OutboundQueryProgressed {
+                result: QueryResult::StartProviding(Err(e)),
+                ..
+            } => {
+                tracing::debug!(error = %e, "announcement did not reach every closest peer");
+            }
+            kad::Event::OutboundQueryProgressed {
+                result: QueryResult::Bootstrap(Err(e)),
+                ..
+            } => {
+                tracing::debug!(error = %e, "DHT bootstrap step failed");
+            }
+            other => tracing::trace!(event = ?other, "kademlia event"),
+        }
+    }
+
+    fn deliver(&mut self, id: QueryId, provider: PeerId) {
+        if provider == *self.swarm.local_peer_id() {
+            return;
+        }
+        let Some((reply, sent)) = self.lookups.get_mut(&id) else {
+            return;
+        };
+        if !sent.insert(provider) {
+            return;
+        }
+        match self.http_addrs.get(&provider) {
+            Some(addr) => {
+                let _ = reply.try_send(Peer {
+                    id: provider.to_base58(),
+                    addr: *addr,
+                });
+            }
+            None => {
+                self.awaiting_identify
+                    .entry(provider)
+                    .or_default()
+                    .push(reply.clone());
+                if !self.swarm.is_connected(&provider)
+                    && let Err(e) = self.swarm.dial(provider)
+                {
+                    tracing::debug!(%provider, error = %e, "cannot dial provider");
+                    self.awaiting_identify.remove(&provider);
+                }
+            }
+        }
+    }
+
+    fn on_identified(&mut self, peer_id: PeerId, info: identify::Info) {
+        if info.protocol_version != IDENTIFY_PROTOCOL {
+            tracing::debug!(%peer_id, protocol = %info.protocol_version, "not a ferry node; ignored");
+            return;
+        }
+        let Some(http) = peer_addr_of(&info.agent_version) else {
+            tracing::debug!(%peer_id, agent = %info.agent_version, "no peer address in identify");
+            return;
+        };
+        for addr in info.listen_addrs {
+            self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+        }
+        self.http_addrs.insert(peer_id, http);
+        for reply in self.awaiting_identify.remove(&peer_id).unwrap_or_default() {
+            let _ = reply.try_send(Peer {
+                id: peer_id.to_base58(),
+                addr: http,
+            });
+        }
+    }
+
+    fn update_connected(&self) {
+        let n = self.swarm.connected_peers().count();
+        self.status.connected.store(n, Ordering::Relaxed);
+        self.metrics.peers_connected.set(n as i64);
+    }
+}

@@ -1,0 +1,195 @@
+//! The libp2p [`Router`]: one task owns the `Swarm` (see `event_loop.rs`); [`P2pRouter`] is
+//! the cloneable handle the rest of Ferry holds, sending commands over a channel.
+
+mod behaviour;
+mod event_loop;
+pub mod identity;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use libp2p::{PeerId, SwarmBuilder, noise, tcp, yamux};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use behaviour::{ProvideTiming, agent_version, peer_addr_of};
+
+use super::bootstrap::{Bootstrap, tcp_multiaddr};
+use super::{PeerStream, Router, RouterError};
+use crate::metrics::Metrics;
+
+/// Commands queue up to this many; a full queue makes callers wait (backpressure), it never
+/// drops a command.
+const COMMAND_QUEUE: usize = 1024;
+/// Providers buffered per lookup; a caller needs the first few.
+const LOOKUP_BUFFER: usize = 32;
+/// Connections without traffic are kept this long: re-dialling costs a noise handshake on the
+/// path of a pull.
+const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[derive(Debug, Clone)]
+pub struct P2pConfig {
+    pub data_dir: PathBuf,
+    /// Where the swarm listens (TCP).
+    pub listen: SocketAddr,
+    /// The address other nodes reach this node at; `None` announces no address (a node that
+    /// only asks, never serves).
+    pub advertise: Option<IpAddr>,
+    /// This node's HTTP peer address, announced through identify.
+    pub peer_http_addr: SocketAddr,
+    pub timing: ProvideTiming,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum P2pError {
+    #[error(transparent)]
+    Identity(#[from] identity::IdentityError),
+    #[error("cannot build the libp2p transport: {0}")]
+    Transport(String),
+    #[error("cannot listen for peers on {addr}: {reason}")]
+    Listen { addr: SocketAddr, reason: String },
+}
+
+pub(crate) enum Command {
+    Lookup {
+        key: String,
+        reply: mpsc::Sender<super::Peer>,
+    },
+    Advertise {
+        keys: Vec<String>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    Withdraw {
+        keys: Vec<String>,
+    },
+    Dial {
+        addrs: Vec<libp2p::Multiaddr>,
+    },
+}
+
+/// Shared read-only view of the swarm's state, written only by the event loop.
+#[derive(Debug, Default)]
+pub(crate) struct Status {
+    pub connected: AtomicUsize,
+}
+
+/// The handle. Cheap to clone; all clones talk to the same swarm task.
+#[derive(Debug, Clone)]
+pub struct P2pRouter {
+    commands: mpsc::Sender<Command>,
+    status: Arc<Status>,
+    peer_id: PeerId,
+    alone: bool,
+}
+
+impl P2pRouter {
+    /// Builds the swarm, starts listening and spawns the task that owns it. The task stops
+    /// when `token` is cancelled.
+    pub fn start(
+        config: P2pConfig,
+        bootstrap: Arc<dyn Bootstrap>,
+        bootstrap_configured: bool,
+        metrics: Arc<Metrics>,
+        token: CancellationToken,
+    ) -> Result<(P2pRouter, JoinHandle<()>), P2pError> {
+        let key = identity::load_or_create(&config.data_dir)?;
+        let peer_http_addr = config.peer_http_addr;
+        let timing = config.timing;
+        let mut swarm = SwarmBuilder::with_existing_identity(key)
+            .with_tokio()
+            .with_tcp(
+                tcp::Config::default().nodelay(true),
+                noise::Config::new,
+                yamux::Config::default,
+            )
+            .map_err(|e| P2pError::Transport(e.to_string()))?
+            .with_dns()
+            .map_err(|e| P2pError::Transport(e.to_string()))?
+            .with_behaviour(|key| behaviour::Behaviour::new(key, peer_http_addr, timing))
+            .map_err(|e| P2pError::Transport(e.to_string()))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT))
+            .build();
+        let listen = tcp_multiaddr(config.listen.ip(), config.listen.port());
+        swarm.listen_on(listen).map_err(|e| P2pError::Listen {
+            addr: config.listen,
+            reason: e.to_string(),
+        })?;
+        if let Some(ip) = config.advertise {
+            swarm.add_external_address(tcp_multiaddr(ip, config.listen.port()));
+        }
+        let peer_id = *swarm.local_peer_id();
+        tracing::info!(%peer_id, listen = %config.listen, peer_addr = %peer_http_addr, "peer-to-peer node started");
+        let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+        let status = Arc::new(Status::default());
+        let event_loop =
+            event_loop::EventLoop::new(swarm, rx, tx.clone(), status.clone(), bootstrap, metrics);
+        let task = tokio::spawn(event_loop.run(token));
+        Ok((
+            P2pRouter {
+                commands: tx,
+                status,
+                peer_id,
+                alone: !bootstrap_configured,
+            },
+            task,
+        ))
+    }
+
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    pub fn connected_peers(&self) -> usize {
+        self.status.connected.load(Ordering::Relaxed)
+    }
+
+    /// Dials these addresses (tests and late bootstrap).
+    pub async fn dial(&self, addrs: Vec<libp2p::Multiaddr>) -> Result<(), RouterError> {
+        self.commands
+            .send(Command::Dial { addrs })
+            .await
+            .map_err(|_| RouterError::Stopped)
+    }
+}
+
+#[async_trait::async_trait]
+impl Router for P2pRouter {
+    fn ready(&self) -> bool {
+        self.alone || self.connected_peers() > 0
+    }
+
+    async fn lookup(&self, key: &str) -> PeerStream {
+        let (reply, rx) = mpsc::channel(LOOKUP_BUFFER);
+        // If the task is gone the sender is dropped with the command: the stream just ends.
+        let _ = self
+            .commands
+            .send(Command::Lookup {
+                key: key.to_string(),
+                reply,
+            })
+            .await;
+        rx
+    }
+
+    async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands
+            .send(Command::Advertise { keys, reply })
+            .await
+            .map_err(|_| RouterError::Stopped)?;
+        rx.await
+            .map_err(|_| RouterError::Stopped)?
+            .map_err(RouterError::Advertise)
+    }
+
+    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RouterError> {
+        self.commands
+            .send(Command::Withdraw { keys })
+            .await
+            .map_err(|_| RouterError::Stopped)
+    }
+}

@@ -1,0 +1,371 @@
+//! Store -> router: advertise every key this node can serve, withdraw what it no longer can.
+//!
+//! One task owns the set of advertised keys. It reconciles the whole set against the store on
+//! start, after every change notification (debounced: a pull is a burst of events), and on a
+//! timer as a safety net; containerd going away ends the notifications, and the task
+//! reconnects with backoff and reconciles again.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use super::{Router, digest_key, tag_key};
+use crate::config::Registries;
+use crate::metrics::Metrics;
+use crate::oci::Digest;
+use crate::oci::manifest::MAX_MANIFEST_BYTES;
+use crate::store::{ContentStore, ImageRecord};
+
+/// Events arrive in bursts (one pull creates content, then the image); wait this long for the
+/// burst to end before walking the store.
+const DEBOUNCE: Duration = Duration::from_millis(200);
+const RETRY_MIN: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+pub struct SyncConfig {
+    pub registries: Registries,
+    /// Full reconcile interval, whatever the events say.
+    pub interval: Duration,
+}
+
+/// Runs until `token` is cancelled.
+pub async fn run(
+    store: Arc<dyn ContentStore>,
+    router: Arc<dyn Router>,
+    config: SyncConfig,
+    metrics: Arc<Metrics>,
+    token: CancellationToken,
+) {
+    let mut advertised = BTreeSet::new();
+    let mut retry = RETRY_MIN;
+    loop {
+        let changes = match store.changes().await {
+            Ok(c) => {
+                retry = RETRY_MIN;
+                Some(c)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot follow store events yet; retrying");
+                None
+            }
+        };
+        reconcile(
+            &*store,
+            &*router,
+            &config.registries,
+            &mut advertised,
+            &metrics,
+        )
+        .await;
+        let Some(mut changes) = changes else {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                _ = tokio::time::sleep(retry) => {}
+            }
+            retry = (retry * 2).min(RETRY_MAX);
+            continue;
+        };
+        let mut tick = tokio::time::interval(config.interval);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                _ = tick.tick() => reconcile(&*store, &*router, &config.registries, &mut advertised, &metrics).await,
+                event = changes.next() => {
+                    if event.is_none() {
+                        tracing::debug!("store events ended; reconnecting");
+                        break;
+                    }
+                    // Let the burst finish, then walk once.
+                    let _ = tokio::time::timeout(DEBOUNCE, async {
+                        while changes.next().await.is_some() {}
+                    })
+                    .await;
+                    reconcile(&*store, &*router, &config.registries, &mut advertised, &metrics).await;
+                }
+            }
+        }
+    }
+}
+
+/// Makes the router's view match the store: advertise new keys, withdraw gone ones. If the
+/// store cannot be walked (containerd down), nothing changes: records expire on their own.
+async fn reconcile(
+    store: &dyn ContentStore,
+    router: &dyn Router,
+    registries: &Registries,
+    advertised: &mut BTreeSet<String>,
+    metrics: &Metrics,
+) {
+    let Ok(images) = store.images().await else {
+        return;
+    };
+    let keys = inventory(store, &images, registries).await;
+    let added: Vec<String> = keys.difference(advertised).cloned().collect();
+    let removed: Vec<String> = advertised.difference(&keys).cloned().collect();
+    if !removed.is_empty() {
+        tracing::debug!(count = removed.len(), "withdrawing keys");
+        if let Err(e) = router.withdraw(removed).await {
+            tracing::warn!(error = %e, "withdraw failed");
+        }
+    }
+    if !added.is_empty() {
+        tracing::debug!(count = added.len(), "advertising keys");
+        if let Err(e) = router.advertise(added).await {
+            tracing::warn!(error = %e, "advertise failed");
+        }
+    }
+    *advertised = keys;
+    metrics.keys_advertised.set(advertised.len() as i64);
+}
+
+/// Every key the store can serve for images of mirrored registries: each tag, and every
+/// digest (index, manifests, config, layers) that is present in the store.
+pub async fn inventory(
+    store: &dyn ContentStore,
+    images: &[ImageRecord],
+    registries: &Registries,
+) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let mut visited = BTreeSet::new();
+    for image in images {
+        let Some(name) = ImageName::parse(&image.name) else {
+            continue;
+        };
+        if !registries.includes(&name.registry) {
+            continue;
+        }
+        let mut present = walk(store, &image.target.digest, &mut visited, &mut keys).await;
+        if let (Some(tag), true) = (&name.tag, present.remove(&image.target.digest)) {
+            keys.insert(tag_key(&name.registry, &name.repository, tag));
+        }
+    }
+    keys
+}
+
+/// Adds every present digest reachable from `root` to `keys`; returns the ones found now.
+async fn walk(
+    store: &dyn ContentStore,
+    root: &Digest,
+    visited: &mut BTreeSet<Digest>,
+    keys: &mut BTreeSet<String>,
+) -> BTreeSet<Digest> {
+    let mut present = BTreeSet::new();
+    let mut manifests = vec![root.clone()];
+    while let Some(digest) = manifests.pop() {
+        if !visited.insert(digest.clone()) {
+            if keys.contains(&digest_key(&digest)) {
+                present.insert(digest);
+            }
+            continue;
+        }
+        let Ok(desc) = store.descriptor(&digest).await else {
+            continue;
+        };
+        keys.insert(digest_key(&digest));
+        present.insert(digest.clone());
+        if desc.size > MAX_MANIFEST_BYTES {
+            continue;
+        }
+        let Some(children) = read_children(store, &digest).await else {
+            continue;
+        };
+        manifests.extend(children.manifests);
+        for blob in children.blobs {
+            if visited.insert(blob.clone()) && store.descriptor(&blob).await.is_ok() {
+                keys.insert(digest_key(&blob));
+            }
+        }
+    }
+    present
+}
+
+#[derive(Deserialize)]
+struct Links {
+    #[serde(default)]
+    manifests: Vec<Link>,
+    config: Option<Link>,
+    #[serde(default)]
+    layers: Vec<Link>,
+}
+
+#[derive(Deserialize)]
+struct Link {
+    digest: String,
+}
+
+struct Children {
+    manifests: Vec<Digest>,
+    blobs: Vec<Digest>,
+}
+
+async fn read_children(store: &dyn ContentStore, digest: &Digest) -> Option<Children> {
+    let stream = store.open(digest, None).await.ok()?;
+    let chunks: Vec<bytes::Bytes> = futures::TryStreamExt::try_collect(stream).await.ok()?;
+    let links: Links = serde_json::from_slice(&chunks.concat()).ok()?;
+    let parse = |l: Link| l.digest.parse::<Digest>().ok();
+    Some(Children {
+        manifests: links.manifests.into_iter().filter_map(parse).collect(),
+        blobs: links
+            .config
+            .into_iter()
+            .chain(links.layers)
+            .filter_map(parse)
+            .collect(),
+    })
+}
+
+/// `<registry>/<repository>[:<tag>][@<digest>]`, as containerd names images.
+#[derive(Debug, PartialEq, Eq)]
+struct ImageName {
+    registry: String,
+    repository: String,
+    tag: Option<String>,
+}
+
+impl ImageName {
+    fn parse(name: &str) -> Option<ImageName> {
+        let without_digest = name.split_once('@').map_or(name, |(n, _)| n);
+        let (registry, rest) = without_digest.split_once('/')?;
+        let (repository, tag) = match rest.rsplit_once(':') {
+            Some((repo, tag)) if !tag.contains('/') => (repo, Some(tag.to_string())),
+            _ => (rest, None),
+        };
+        let tag = if name.contains('@') { None } else { tag };
+        Some(ImageName {
+            registry: registry.to_string(),
+            repository: repository.to_string(),
+            tag,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::oci::manifest::{OCI_INDEX, OCI_MANIFEST};
+    use crate::routing::Peer;
+    use crate::routing::memory::MemoryNetwork;
+    use crate::store::memory::MemoryStore;
+
+    #[test]
+    fn image_names() {
+        let n = ImageName::parse("docker.io/library/nginx:1.27").unwrap();
+        assert_eq!(
+            (n.registry.as_str(), n.repository.as_str(), n.tag.as_deref()),
+            ("docker.io", "library/nginx", Some("1.27"))
+        );
+        let n = ImageName::parse("10.0.0.1:5000/a/b:v1").unwrap();
+        assert_eq!(
+            (n.registry.as_str(), n.repository.as_str(), n.tag.as_deref()),
+            ("10.0.0.1:5000", "a/b", Some("v1"))
+        );
+        let n = ImageName::parse("ghcr.io/x/y@sha256:abc").unwrap();
+        assert_eq!(n.tag, None);
+        assert_eq!(ImageName::parse("plain"), None);
+    }
+
+    /// An index -> manifest -> config + layer, tagged; plus one layer of another platform that
+    /// the node never pulled.
+    fn image(store: &MemoryStore) -> (Digest, Digest, Digest, Digest) {
+        let layer = store.put(vec![1u8; 1000]);
+        let config = store.put(r#"{"architecture":"amd64"}"#);
+        let manifest = store.put(format!(
+            r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","config":{{"digest":"{config}"}},"layers":[{{"digest":"{layer}"}}]}}"#
+        ));
+        let absent = Digest::sha256_of(b"arm64 manifest never pulled");
+        let index = store.put(format!(
+            r#"{{"schemaVersion":2,"mediaType":"{OCI_INDEX}","manifests":[{{"digest":"{manifest}"}},{{"digest":"{absent}"}}]}}"#
+        ));
+        store.tag("docker.io", "library/app", "1.0", &index, OCI_INDEX);
+        (index, manifest, config, layer)
+    }
+
+    #[tokio::test]
+    async fn inventory_has_every_present_digest_and_the_tag() {
+        let store = MemoryStore::new();
+        let (index, manifest, config, layer) = image(&store);
+        let images = store.images().await.unwrap();
+        let keys = inventory(&store, &images, &Registries::All).await;
+        let expected: BTreeSet<String> = [
+            index.to_string(),
+            manifest.to_string(),
+            config.to_string(),
+            layer.to_string(),
+            "docker.io/library/app:1.0".to_string(),
+        ]
+        .into();
+        assert_eq!(keys, expected);
+        let only_ghcr = Registries::Only(vec!["ghcr.io".into()]);
+        assert!(inventory(&store, &images, &only_ghcr).await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn sync_advertises_and_withdraws_as_the_store_changes() {
+        let store = Arc::new(MemoryStore::new());
+        let network = MemoryNetwork::new();
+        let me = network.node(Peer {
+            id: "me".into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+        });
+        let other = network.node(Peer {
+            id: "other".into(),
+            addr: "127.0.0.1:2".parse().unwrap(),
+        });
+        let token = CancellationToken::new();
+        let metrics = Arc::new(Metrics::new());
+        let config = SyncConfig {
+            registries: Registries::All,
+            interval: Duration::from_secs(3600),
+        };
+        let task = tokio::spawn(run(
+            store.clone(),
+            Arc::new(me),
+            config,
+            metrics.clone(),
+            token.clone(),
+        ));
+
+        let (_, _, _, layer) = image(&store);
+        let found = |key: String| {
+            let other = other.clone();
+            async move { other.lookup(&key).await.recv().await.is_some() }
+        };
+        for _ in 0..100 {
+            if found(layer.to_string()).await {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            found(layer.to_string()).await,
+            "layer advertised after the image appeared"
+        );
+        assert!(found("docker.io/library/app:1.0".into()).await);
+        assert_eq!(metrics.keys_advertised.get(), 5);
+
+        store.remove(&layer);
+        store.untag("docker.io", "library/app", "1.0");
+        for _ in 0..100 {
+            if !found(layer.to_string()).await {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            !found(layer.to_string()).await,
+            "deleted content is withdrawn"
+        );
+        assert!(
+            !found("docker.io/library/app:1.0".into()).await,
+            "deleted tag is withdrawn"
+        );
+        token.cancel();
+        task.await.unwrap();
+    }
+}
