@@ -86,7 +86,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         config.containerd_content_dir.clone(),
     ));
     let listeners = Listeners { mirror, peer, ops };
-    serve(config, store, listeners, peers, shutdown).await;
+    let peering = peers.map_or(Peering::Off, Peering::P2p);
+    serve(config, store, listeners, peering, shutdown).await;
     Ok(())
 }
 
@@ -99,6 +100,33 @@ pub struct Listeners {
     pub peer: Option<TcpListener>,
     /// `/metrics`, `/healthz`, `/readyz`.
     pub ops: TcpListener,
+}
+
+/// How this node finds content on other nodes.
+pub enum Peering {
+    /// This node's content only.
+    Off,
+    /// The libp2p DHT.
+    P2p(PeerSetup),
+    /// Any other router (tests: the in-memory one).
+    Router {
+        router: Arc<dyn Router>,
+        fetch: PeerFetchConfig,
+        sync: SyncConfig,
+    },
+}
+
+impl std::fmt::Debug for Peering {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peering::Off => f.write_str("Off"),
+            Peering::P2p(setup) => f.debug_tuple("P2p").field(setup).finish(),
+            Peering::Router { fetch, .. } => f
+                .debug_struct("Router")
+                .field("fetch", fetch)
+                .finish_non_exhaustive(),
+        }
+    }
 }
 
 /// Everything peer-to-peer needs, resolved from the settings.
@@ -149,7 +177,13 @@ impl PeerSetup {
         Some(PeerSetup {
             p2p: P2pConfig {
                 data_dir: data_dir.to_path_buf(),
-                listen: settings.p2p_addr,
+                // A wildcard listen would make Kademlia announce every local address,
+                // loopback included: listen on the advertised address instead.
+                listen: if settings.p2p_addr.ip().is_unspecified() {
+                    SocketAddr::new(advertise, settings.p2p_addr.port())
+                } else {
+                    settings.p2p_addr
+                },
                 advertise: Some(advertise),
                 peer_http_addr,
                 timing: ProvideTiming {
@@ -199,7 +233,7 @@ pub async fn serve(
     config: Config,
     store: Arc<dyn ContentStore>,
     listeners: Listeners,
-    peers: Option<PeerSetup>,
+    peering: Peering,
     shutdown: impl Future<Output = ()>,
 ) {
     let metrics = Arc::new(Metrics::new());
@@ -210,17 +244,19 @@ pub async fn serve(
 
     let token = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let router = peers
-        .as_ref()
-        .and_then(|p| start_router(p, &metrics, &token, &tracker));
-    let fetcher = match (&router, &peers) {
-        (Some(r), Some(p)) => Some(Arc::new(PeerFetcher::new(
-            r.clone(),
-            p.fetch,
-            metrics.clone(),
-        ))),
-        _ => None,
+    let peers = match peering {
+        Peering::Off => None,
+        Peering::P2p(setup) => start_router(&setup, &metrics, &token, &tracker)
+            .map(|router| (router, setup.fetch, setup.sync)),
+        Peering::Router {
+            router,
+            fetch,
+            sync,
+        } => Some((router, fetch, sync)),
     };
+    let fetcher = peers.as_ref().map(|(router, fetch, _)| {
+        Arc::new(PeerFetcher::new(router.clone(), *fetch, metrics.clone()))
+    });
     let state = RegistryState {
         store: store.clone(),
         registries: config.registries.clone(),
@@ -255,11 +291,11 @@ pub async fn serve(
         listeners.ops,
         ops::router(readiness.clone(), metrics.clone()),
     );
-    if let (Some(router), Some(p)) = (&router, &peers) {
+    if let Some((router, _, sync_config)) = peers {
         tracker.spawn(sync::run(
             store.clone(),
-            router.clone(),
-            p.sync.clone(),
+            router,
+            sync_config,
             metrics.clone(),
             token.clone(),
         ));

@@ -1,0 +1,255 @@
+//! Real libp2p on loopback, several nodes in one process: the DHT finds providers, forgets
+//! withdrawn ones when their records expire, keeps re-provided ones, survives a restart with
+//! the same identity, and answers a lookup for a key nobody has within a bound.
+
+#![allow(clippy::unwrap_used)] // test helpers panic by design
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::metrics::Metrics;
+use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
+use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
+use ferry::routing::{Peer, Router};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+/// Short records so expiry and re-announcement happen within a test.
+const TIMING: ProvideTiming = ProvideTiming {
+    ttl: Duration::from_secs(3),
+    interval: Duration::from_secs(1),
+};
+/// Bound for anything eventually true; generous for a loaded CI machine.
+const EVENTUALLY: Duration = Duration::from_secs(20);
+
+struct Node {
+    router: P2pRouter,
+    token: CancellationToken,
+    task: JoinHandle<()>,
+    p2p: SocketAddr,
+    http: SocketAddr,
+    data_dir: std::path::PathBuf,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start(
+    data_dir: &std::path::Path,
+    p2p: SocketAddr,
+    http: SocketAddr,
+    bootstrap: &[SocketAddr],
+) -> Node {
+    let config = P2pConfig {
+        data_dir: data_dir.to_path_buf(),
+        listen: p2p,
+        advertise: Some(LOOPBACK),
+        peer_http_addr: http,
+        timing: TIMING,
+    };
+    let addrs = bootstrap
+        .iter()
+        .map(|a| tcp_multiaddr(a.ip(), a.port()))
+        .collect();
+    let token = CancellationToken::new();
+    let (router, task) = P2pRouter::start(
+        config,
+        Arc::new(StaticBootstrap { addrs }),
+        !bootstrap.is_empty(),
+        Arc::new(Metrics::new()),
+        token.clone(),
+    )
+    .unwrap();
+    Node {
+        router,
+        token,
+        task,
+        p2p,
+        http,
+        data_dir: data_dir.to_path_buf(),
+    }
+}
+
+async fn stop(node: Node) -> (std::path::PathBuf, SocketAddr, SocketAddr) {
+    node.token.cancel();
+    node.task.await.unwrap();
+    (node.data_dir, node.p2p, node.http)
+}
+
+/// `n` nodes, all bootstrapped from the first, connected.
+async fn cluster(tmp: &std::path::Path, n: usize) -> Vec<Node> {
+    let seed = SocketAddr::new(LOOPBACK, free_port());
+    let mut nodes = vec![start(
+        &tmp.join("n0"),
+        seed,
+        SocketAddr::new(LOOPBACK, free_port()),
+        &[],
+    )];
+    for i in 1..n {
+        let p2p = SocketAddr::new(LOOPBACK, free_port());
+        nodes.push(start(
+            &tmp.join(format!("n{i}")),
+            p2p,
+            SocketAddr::new(LOOPBACK, free_port()),
+            &[seed],
+        ));
+    }
+    eventually("every node connected", || {
+        let all = nodes.iter().all(|n| n.router.connected_peers() > 0);
+        async move { all }
+    })
+    .await;
+    nodes
+}
+
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < EVENTUALLY, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every provider a lookup yields, until the lookup ends (it must end).
+async fn providers(router: &P2pRouter, key: &str) -> Vec<Peer> {
+    let mut stream = router.lookup(key).await;
+    let mut found = Vec::new();
+    let ended = tokio::time::timeout(EVENTUALLY, async {
+        while let Some(p) = stream.recv().await {
+            found.push(p);
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "a lookup for {key} never ended");
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn providers_are_found_withdrawn_and_reprovided() {
+    let tmp = tempfile::tempdir().unwrap();
+    let nodes = cluster(tmp.path(), 4).await;
+    let key = "sha256:0000000000000000000000000000000000000000000000000000000000000001";
+
+    nodes[1]
+        .router
+        .advertise(vec![key.to_string()])
+        .await
+        .unwrap();
+    for asker in [&nodes[0], &nodes[2], &nodes[3]] {
+        eventually("the provider is found from every node", || async {
+            providers(&asker.router, key)
+                .await
+                .iter()
+                .any(|p| p.addr == nodes[1].http)
+        })
+        .await;
+    }
+    // The peer ID names the provider, the address is its HTTP peer address.
+    let found = providers(&nodes[2].router, key).await;
+    assert!(
+        found
+            .iter()
+            .all(|p| p.id == nodes[1].router.peer_id().to_base58())
+    );
+    assert!(
+        providers(&nodes[1].router, key).await.is_empty(),
+        "a node never lists itself"
+    );
+
+    // Re-provided: still found after the TTL has passed several times.
+    tokio::time::sleep(TIMING.ttl * 2).await;
+    assert!(
+        providers(&nodes[3].router, key)
+            .await
+            .iter()
+            .any(|p| p.addr == nodes[1].http)
+    );
+
+    // Withdrawn: forgotten once the records expire.
+    nodes[1]
+        .router
+        .withdraw(vec![key.to_string()])
+        .await
+        .unwrap();
+    eventually("withdrawn key no longer found", || async {
+        providers(&nodes[3].router, key).await.is_empty()
+    })
+    .await;
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_nobody_can_answer_ends_within_the_query_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let nodes = cluster(tmp.path(), 3).await;
+    let started = Instant::now();
+    let found = providers(&nodes[2].router, "docker.io/library/nobody:has-this").await;
+    assert!(found.is_empty());
+    // The bound is the Kademlia query timeout (10 s), not a speed claim.
+    assert!(
+        started.elapsed() < Duration::from_secs(11),
+        "took {:?}",
+        started.elapsed()
+    );
+
+    // A lone node (no peers at all) also answers at once, with nothing.
+    let lone = start(
+        &tmp.path().join("lone"),
+        SocketAddr::new(LOOPBACK, free_port()),
+        SocketAddr::new(LOOPBACK, free_port()),
+        &[],
+    );
+    assert!(providers(&lone.router, "sha256:anything").await.is_empty());
+    stop(lone).await;
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_keeps_its_identity_and_serves_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut nodes = cluster(tmp.path(), 3).await;
+    let old = nodes.pop().unwrap();
+    let old_id = old.router.peer_id();
+    let (dir, p2p, http) = stop(old).await;
+
+    let seed = nodes[0].p2p;
+    let again = start(&dir, p2p, http, &[seed]);
+    assert_eq!(
+        again.router.peer_id(),
+        old_id,
+        "same key file, same peer ID"
+    );
+    eventually("restarted node reconnects", || {
+        let c = again.router.connected_peers();
+        async move { c > 0 }
+    })
+    .await;
+    let key = "docker.io/team/app:v2";
+    again.router.advertise(vec![key.to_string()]).await.unwrap();
+    eventually("restarted node's key found", || async {
+        providers(&nodes[1].router, key)
+            .await
+            .iter()
+            .any(|p| p.addr == http)
+    })
+    .await;
+    stop(again).await;
+    for n in nodes {
+        stop(n).await;
+    }
+}
