@@ -6,6 +6,8 @@
 //! never pass by skipping.
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -133,10 +135,28 @@ pub struct Containerd {
     pub config: PathBuf,
     pub hosts_dir: PathBuf,
     pub proc: Proc,
+    /// The network namespace it (and its `ctr` pulls) run in; `None`: the host's.
+    pub netns: Option<String>,
+}
+
+/// `program` to be run in `netns` (through `ip netns exec`, which execs it: same PID).
+pub fn in_netns(netns: Option<&str>, program: &str) -> Command {
+    match netns {
+        Some(ns) => {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", ns, program]);
+            cmd
+        }
+        None => Command::new(program),
+    }
 }
 
 impl Containerd {
     pub fn start(dir: &Path) -> Containerd {
+        Self::start_in(dir, None)
+    }
+
+    pub fn start_in(dir: &Path, netns: Option<&str>) -> Containerd {
         require("containerd");
         require("ctr");
         std::fs::create_dir_all(dir).expect("containerd dir");
@@ -172,6 +192,7 @@ state = "{d}/state"
                 child: None,
                 log: dir.join("containerd.log"),
             },
+            netns: netns.map(str::to_string),
         };
         c.restart();
         c
@@ -180,7 +201,7 @@ state = "{d}/state"
     /// Starts (again) with the same root: content and images survive, as on a real restart.
     pub fn restart(&mut self) {
         self.proc.stop();
-        let mut cmd = Command::new("containerd");
+        let mut cmd = in_netns(self.netns.as_deref(), "containerd");
         cmd.arg("--config").arg(&self.config);
         self.proc = Proc::spawn(cmd, self.dir.join("containerd.log"));
         let socket = self.socket.clone();
@@ -197,7 +218,8 @@ state = "{d}/state"
 
     /// `ctr images pull --hosts-dir` into `namespace`; panics with ctr's output on failure.
     pub fn pull(&self, namespace: &str, reference: &str, hosts_dir: &Path) -> String {
-        let out = Command::new("ctr")
+        // ctr does the registry HTTP itself: it must run in the node's network namespace.
+        let out = in_netns(self.netns.as_deref(), "ctr")
             .arg("--address")
             .arg(&self.socket)
             .args(["-n", namespace, "images", "pull", "--hosts-dir"])
@@ -251,9 +273,13 @@ pub struct Registry {
 
 impl Registry {
     pub fn start(dir: &Path) -> Registry {
+        Self::start_at(dir, None, free_addr())
+    }
+
+    /// In `netns` (reached from the test through the bridge), listening on `addr`.
+    pub fn start_at(dir: &Path, netns: Option<&str>, addr: SocketAddr) -> Registry {
         require("docker-registry");
         std::fs::create_dir_all(dir).expect("registry dir");
-        let addr = free_addr();
         let config = dir.join("registry.yml");
         std::fs::write(
             &config,
@@ -263,13 +289,42 @@ impl Registry {
             ),
         )
         .expect("registry config");
-        let mut cmd = Command::new("docker-registry");
+        let mut cmd = in_netns(netns, "docker-registry");
         cmd.arg("serve").arg(&config);
         let proc = Proc::spawn(cmd, dir.join("registry.log"));
         wait_for("the registry to listen", || {
             std::net::TcpStream::connect(addr).is_ok()
         });
         Registry { addr, proc }
+    }
+
+    /// `(remote address, method, URI)` of every request the registry has answered.
+    pub fn requests(&self) -> Vec<(String, String, String)> {
+        let field = |line: &str, name: &str| {
+            line.split(&format!("{name}=\""))
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .map(str::to_string)
+                .or_else(|| {
+                    line.split(&format!("{name}="))
+                        .nth(1)
+                        .and_then(|r| r.split(' ').next())
+                        .map(str::to_string)
+                })
+                .unwrap_or_default()
+        };
+        self.proc
+            .log_text()
+            .lines()
+            .filter(|l| l.contains("response completed"))
+            .map(|l| {
+                (
+                    field(l, "http.request.remoteaddr"),
+                    field(l, "http.request.method"),
+                    field(l, "http.request.uri"),
+                )
+            })
+            .collect()
     }
 
     /// Request URIs the registry has served for manifests and blobs, in order.

@@ -1,0 +1,199 @@
+//! Three nodes and an upstream registry, each in its own network namespace on one bridge; each
+//! node runs its own containerd and Ferry, bootstrapped from node 1. Node 1 pulls from upstream;
+//! node 2 then gets every blob from node 1 (the upstream log shows nothing from node 2); with
+//! node 1's Ferry stopped, node 3 still pulls.
+
+#![allow(clippy::unwrap_used)] // test helpers panic by design
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use support::netns::Net;
+use support::*;
+
+const LAYERS: usize = 3;
+const LAYER_BYTES: usize = 4 * 1024 * 1024;
+const P2P_PORT: u16 = 5482;
+const METRICS_PORT: u16 = 5483;
+
+struct Node {
+    ip: std::net::Ipv4Addr,
+    containerd: Containerd,
+    ferry: Proc,
+}
+
+impl Node {
+    fn start(
+        net: &mut Net,
+        dir: &Path,
+        name: &str,
+        host: u8,
+        registry: SocketAddr,
+        bootstrap: Option<std::net::Ipv4Addr>,
+    ) -> Node {
+        let ns = net.add_host(name, host);
+        let ip = net.host_ip(host);
+        let containerd = Containerd::start_in(&dir.join(name), Some(&ns));
+        // The operator's own config for the plain-HTTP upstream, which Ferry merges into.
+        let own = containerd.hosts_dir.join(registry.to_string());
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(
+            own.join("hosts.toml"),
+            format!("server = \"http://{registry}\"\n\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+        )
+        .unwrap();
+        let mut cmd = in_netns(Some(&ns), Ferry::bin().to_str().unwrap());
+        cmd.arg("run")
+            .arg("--containerd-socket")
+            .arg(&containerd.socket)
+            .arg("--containerd-content-dir")
+            .arg(containerd.content_dir())
+            .arg("--containerd-config")
+            .arg(&containerd.config)
+            .arg("--hosts-dir")
+            .arg(&containerd.hosts_dir)
+            .arg("--data-dir")
+            .arg(dir.join(name).join("ferry-data"))
+            .args(["--mirror-addr", "127.0.0.1:5480"])
+            .args(["--metrics-addr", &format!("{ip}:{METRICS_PORT}")])
+            .args(["--advertise-addr", &ip.to_string()])
+            // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
+            .args(["--resolve-timeout", "1s"])
+            .args(["--log-level", "debug"]);
+        if let Some(seed) = bootstrap {
+            cmd.args(["--bootstrap-peers", &format!("{seed}:{P2P_PORT}")]);
+        }
+        let ferry = Proc::spawn(cmd, dir.join(name).join("ferry.log"));
+        let node = Node {
+            ip,
+            containerd,
+            ferry,
+        };
+        wait_for("ferry ready in its namespace", || {
+            node.metrics().contains("ferry_containerd_up 1")
+        });
+        node
+    }
+
+    fn metrics(&self) -> String {
+        let url = format!("http://{}:{METRICS_PORT}/metrics", self.ip);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async { reqwest::get(&url).await.ok()?.text().await.ok() })
+            .unwrap_or_default()
+    }
+
+    fn metric(&self, prefix: &str) -> u64 {
+        self.metrics()
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn image_digest(&self, reference: &str) -> String {
+        let out = self.containerd.ctr(&["-n", "k8s.io", "images", "ls"]);
+        out.lines()
+            .find(|l| l.starts_with(reference))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .unwrap_or_default()
+            .to_string()
+    }
+}
+
+#[test]
+fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going_away() {
+    // Declared first, dropped last: processes stop before their namespaces are deleted.
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let upstream_ns = net.add_host("up", 1);
+    let registry_addr = SocketAddr::new(net.host_ip(1).into(), 5000);
+    let registry = Registry::start_at(&dir.join("registry"), Some(&upstream_ns), registry_addr);
+    let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
+    image.push(registry_addr, "team/app");
+    let reference = format!("{registry_addr}/team/app:v1");
+
+    let mut node1 = Node::start(&mut net, dir, "n1", 11, registry_addr, None);
+    let node2 = Node::start(&mut net, dir, "n2", 12, registry_addr, Some(node1.ip));
+    let node3 = Node::start(&mut net, dir, "n3", 13, registry_addr, Some(node1.ip));
+    wait_for("nodes 2 and 3 connected to node 1", || {
+        node1.metric("ferry_peers_connected") >= 2
+    });
+
+    // Node 1: nobody has the image yet, so its Ferry answers 404 and containerd goes upstream.
+    node1
+        .containerd
+        .pull("k8s.io", &reference, &node1.containerd.hosts_dir);
+    assert_eq!(node1.image_digest(&reference), image.manifest);
+    let blobs = LAYERS + 1; // layers and config
+    let keys = blobs + 2; // + manifest + tag
+    wait_for("node 1 advertises the image", || {
+        node1.metric("ferry_keys_advertised") >= keys as u64
+    });
+
+    // Node 2: every manifest and blob comes from node 1.
+    let before = registry.requests().len();
+    node2
+        .containerd
+        .pull("k8s.io", &reference, &node2.containerd.hosts_dir);
+    assert_eq!(
+        node2.image_digest(&reference),
+        image.manifest,
+        "node 2 has the right image"
+    );
+    let from_node2: Vec<_> = registry.requests()[before..]
+        .iter()
+        .filter(|(remote, _, _)| remote.starts_with(&format!("{}:", node2.ip)))
+        .cloned()
+        .collect();
+    assert!(
+        !from_node2.iter().any(|(_, _, uri)| uri.contains("/blobs/")),
+        "node 2 fetched blobs from upstream: {from_node2:?}"
+    );
+    assert!(
+        from_node2.is_empty(),
+        "node 2 asked upstream at all: {from_node2:?}"
+    );
+    assert!(
+        node2.metric("ferry_served_total{kind=\"blob\",source=\"peer\"}") >= blobs as u64,
+        "{}",
+        node2.metrics()
+    );
+    let image_bytes: u64 = image.digests()[1..]
+        .iter()
+        .map(|d| image.blob(d).len() as u64)
+        .sum();
+    assert_eq!(
+        node2.metric("ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}"),
+        image_bytes
+    );
+    let content = node2.containerd.ctr(&["-n", "k8s.io", "content", "ls"]);
+    for digest in image.digests() {
+        assert!(
+            content.contains(&digest),
+            "node 2's containerd holds {digest}"
+        );
+    }
+
+    // Node 1's Ferry goes away: node 3 still pulls (from node 2, or upstream).
+    node1.ferry.signal("KILL");
+    node1.ferry.wait(Duration::from_secs(10));
+    node3
+        .containerd
+        .pull("k8s.io", &reference, &node3.containerd.hosts_dir);
+    assert_eq!(node3.image_digest(&reference), image.manifest);
+
+    drop(node3);
+    drop(node2);
+    drop(node1);
+    drop(registry);
+    drop(tmp);
+    drop(net);
+}
