@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Ferry's main job, end to end, on this one machine (Debian or Ubuntu; root or sudo):
+# Ferry's main job, end to end, on this one machine (Debian or Ubuntu, as root):
 #   1. installs what it needs and builds ferry (release);
-#   2. starts a local containerd ("the node") and a local registry ("upstream") in a temp dir;
-#   3. pushes a generated 3-layer image to the registry;
-#   4. starts ferry: it writes containerd's hosts.toml mirror entry and serves the node's store;
-#   5. the node pulls the image (ferry has nothing yet: 404, containerd falls back upstream);
-#   6. a second containerd (standing in for another node) pulls the same image through the
-#      config ferry wrote: every byte comes from ferry, the upstream registry serves nothing;
-#   7. `ferry cleanup` removes ferry's entries; every process started here is stopped by PID.
+#   2. creates three network namespaces on a bridge: an upstream registry and two nodes, each
+#      node with its own containerd and its own ferry (node 2 bootstraps from node 1);
+#   3. pushes a generated 3-layer image to the upstream registry;
+#   4. node 1 pulls it: nobody has it yet, ferry answers 404 and containerd goes upstream;
+#   5. node 2 pulls it: ferry finds node 1 in the DHT and streams every blob from node 1's
+#      containerd store; the upstream registry's log shows no request from node 2;
+#   6. runs `ferry cleanup` and removes every process, namespace and link it created.
 # Set FERRY_DEMO_KEEP=1 to keep the temp dir (logs, configs) for a look afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 
+if [ "$(id -u)" -ne 0 ]; then
+    echo "demo.sh creates network namespaces: run it as root (sudo ./scripts/demo.sh)" >&2
+    exit 1
+fi
 ensure_packages
 ensure_rust
 echo "==> building ferry (release)"
@@ -20,19 +24,33 @@ cargo build --release --locked --quiet
 FERRY="$PWD/target/release/ferry"
 
 WORK=$(mktemp -d /tmp/ferry-demo.XXXXXX)
+TAG=$$
+BR="fdb$TAG"
+NET="10.$((150 + TAG % 50))"
 PIDS=()
+NSS=()
 cleanup() {
     for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
     for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    for ns in "${NSS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+    ip link del "$BR" 2>/dev/null || true
     if [ "${FERRY_DEMO_KEEP:-0}" = 1 ]; then echo "kept $WORK"; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+add_host() { # <name> <host-number>: a namespace on the bridge at $NET.0.<n>
+    local ns="fd$1$TAG" veth="vd$1$TAG"
+    ip netns add "$ns"; NSS+=("$ns")
+    ip link add "$veth" type veth peer name eth0 netns "$ns"
+    ip link set "$veth" master "$BR"; ip link set "$veth" up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" addr add "$NET.0.$2/24" dev eth0
+    ip -n "$ns" link set eth0 up
+}
 
-start_containerd() { # <dir>
-    local d=$1
-    mkdir -p "$d"
+start_node() { # <name> <host-number> [bootstrap-ip]: containerd + ferry in the node's namespace
+    local name=$1 ip="$NET.0.$2" ns="fd$1$TAG" d="$WORK/$1"
+    mkdir -p "$d/certs.d/$UPSTREAM"
     cat > "$d/containerd.toml" <<TOML
 version = 2
 root = "$d/root"
@@ -46,81 +64,91 @@ state = "$d/state"
 [plugins."io.containerd.grpc.v1.cri".containerd]
   snapshotter = "native"
 [plugins."io.containerd.grpc.v1.cri".registry]
-  config_path = "$WORK/node/certs.d"
+  config_path = "$d/certs.d"
 TOML
-    containerd --config "$d/containerd.toml" >"$d/containerd.log" 2>&1 &
+    # The operator's own entry for the plain-HTTP upstream; ferry merges its mirror first.
+    printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' \
+        "$UPSTREAM" "$UPSTREAM" > "$d/certs.d/$UPSTREAM/hosts.toml"
+    ip netns exec "$ns" containerd --config "$d/containerd.toml" >"$d/containerd.log" 2>&1 &
     PIDS+=($!)
-    for _ in $(seq 100); do ctr --address "$d/containerd.sock" version >/dev/null 2>&1 && return 0; sleep 0.1; done
-    echo "containerd in $d did not start; see $d/containerd.log" >&2; exit 1
+    for _ in $(seq 100); do ctr --address "$d/containerd.sock" version >/dev/null 2>&1 && break; sleep 0.1; done
+    local boot=()
+    [ -n "${3:-}" ] && boot=(--bootstrap-peers "$3:5482")
+    ip netns exec "$ns" "$FERRY" run \
+        --containerd-socket "$d/containerd.sock" \
+        --containerd-content-dir "$d/root/io.containerd.content.v1.content" \
+        --containerd-config "$d/containerd.toml" \
+        --hosts-dir "$d/certs.d" \
+        --data-dir "$d/ferry-data" \
+        --advertise-addr "$ip" \
+        --metrics-addr "$ip:5483" \
+        --log-level debug "${boot[@]}" >"$d/ferry.log" 2>&1 &
+    PIDS+=($!)
+    for _ in $(seq 200); do curl -sf "http://$ip:5483/readyz" >/dev/null && return 0; sleep 0.05; done
+    echo "ferry on $name did not get ready; see $d/ferry.log" >&2; exit 1
 }
 
-upstream_requests() { grep -c 'response completed.*http.request.uri="/v2/[^"]*/\(blobs\|manifests\)/' "$WORK/registry/registry.log" || true; }
+pull() { # <name> : ctr pull inside the node's namespace, prints the wall time
+    local d="$WORK/$1" start end
+    start=$(date +%s.%N)
+    ip netns exec "fd$1$TAG" ctr --address "$d/containerd.sock" -n k8s.io images pull \
+        --hosts-dir "$d/certs.d" "$IMAGE" >"$d/pull.log" 2>&1
+    end=$(date +%s.%N)
+    python3 -c "print(f'{($end - $start):.2f} s')"
+}
 
-echo "==> starting containerd (the node) and a registry (upstream) in $WORK"
-start_containerd "$WORK/node"
-REG_PORT=$(free_port)
+metric() { curl -s "http://$1:5483/metrics" | awk -v m="$2" 'index($0, m" ") == 1 {print $2}'; }
+upstream_from() { grep 'response completed' "$WORK/registry/registry.log" | grep -c "remoteaddr=\"$1:" || true; }
+
+echo "==> network: bridge $BR, upstream $NET.0.1, node1 $NET.0.11, node2 $NET.0.12"
+ip link add "$BR" type bridge
+ip addr add "$NET.0.254/24" dev "$BR"
+ip link set "$BR" up
+add_host up 1; add_host n1 11; add_host n2 12
+
+UPSTREAM="$NET.0.1:5000"
 mkdir -p "$WORK/registry"
-cat > "$WORK/registry/config.yml" <<YML
-version: 0.1
-log:
-  level: info
-storage:
-  filesystem:
-    rootdirectory: $WORK/registry/data
-http:
-  addr: 127.0.0.1:$REG_PORT
-YML
-docker-registry serve "$WORK/registry/config.yml" >"$WORK/registry/registry.log" 2>&1 &
+printf 'version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: %s\nhttp:\n  addr: %s\n' \
+    "$WORK/registry/data" "$UPSTREAM" > "$WORK/registry/config.yml"
+ip netns exec "fdup$TAG" docker-registry serve "$WORK/registry/config.yml" >"$WORK/registry/registry.log" 2>&1 &
 PIDS+=($!)
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$REG_PORT/v2/" >/dev/null && break; sleep 0.1; done
+for _ in $(seq 100); do curl -sf "http://$UPSTREAM/v2/" >/dev/null && break; sleep 0.1; done
 
-IMAGE="127.0.0.1:$REG_PORT/demo/app:v1"
-echo "==> generating an image (3 layers of 8 MiB of random bytes) and pushing it to $IMAGE"
-python3 tests/support/make_image.py "$WORK/image" v1 3 $((8 * 1024 * 1024)) >/dev/null
+IMAGE="$UPSTREAM/demo/app:v1"
+echo "==> pushing a generated image (3 layers of 16 MiB of random bytes) to $IMAGE"
+python3 tests/support/make_image.py "$WORK/image" v1 3 $((16 * 1024 * 1024)) >/dev/null
 skopeo copy --quiet --dest-tls-verify=false "oci:$WORK/image:v1" "docker://$IMAGE"
+WANT=$(python3 -c "import json;print(json.load(open('$WORK/image/index.json'))['manifests'][0]['digest'])")
 
-MIRROR_PORT=$(free_port)
-METRICS_PORT=$(free_port)
-echo "==> starting ferry (mirror 127.0.0.1:$MIRROR_PORT)"
-"$FERRY" run \
-    --containerd-socket "$WORK/node/containerd.sock" \
-    --containerd-content-dir "$WORK/node/root/io.containerd.content.v1.content" \
-    --containerd-config "$WORK/node/containerd.toml" \
-    --hosts-dir "$WORK/node/certs.d" \
-    --mirror-addr "127.0.0.1:$MIRROR_PORT" \
-    --metrics-addr "127.0.0.1:$METRICS_PORT" \
-    --data-dir "$WORK/ferry-data" \
-    --p2p false \
-    --log-level debug >"$WORK/ferry.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$METRICS_PORT/readyz" >/dev/null && break; sleep 0.05; done
-curl -s "http://127.0.0.1:$METRICS_PORT/readyz"
-echo "--- $WORK/node/certs.d/_default/hosts.toml, written by ferry:"
-cat "$WORK/node/certs.d/_default/hosts.toml"
+echo "==> starting containerd and ferry on node 1 and node 2"
+start_node n1 11
+start_node n2 12 "$NET.0.11"
+for _ in $(seq 100); do [ "$(metric "$NET.0.11" ferry_peers_connected)" = 1 ] && break; sleep 0.1; done
+echo "--- node 2's $WORK/n2/certs.d/$UPSTREAM/hosts.toml, merged by ferry:"
+cat "$WORK/n2/certs.d/$UPSTREAM/hosts.toml"
 echo "---"
 
-echo "==> the node pulls $IMAGE (ferry has nothing yet: it answers 404 and containerd goes upstream)"
-ctr --address "$WORK/node/containerd.sock" -n k8s.io images pull --hosts-dir "$WORK/node/certs.d" "$IMAGE" >/dev/null
-BEFORE=$(upstream_requests)
-echo "    upstream requests so far: $BEFORE"
+echo "==> node 1 pulls (nobody has the image: ferry answers 404, containerd goes upstream)"
+echo "    (times are informative only: the upstream here is not bandwidth-limited; see the benchmarks)"
+echo "    node 1 pull: $(pull n1)"
+for _ in $(seq 100); do [ "$(metric "$NET.0.11" ferry_keys_advertised)" -ge 6 ] 2>/dev/null && break; sleep 0.1; done
+echo "    node 1 now advertises $(metric "$NET.0.11" ferry_keys_advertised) keys (digests and the tag)"
 
-echo "==> a second containerd pulls the same image through the config ferry wrote"
-start_containerd "$WORK/second"
-ctr --address "$WORK/second/containerd.sock" -n k8s.io images pull --hosts-dir "$WORK/node/certs.d" "$IMAGE" >/dev/null
-AFTER=$(upstream_requests)
-SERVED=$(curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | awk '/^ferry_bytes_served_total\{kind="blob",source="local"\}/ {print $2}')
-HITS=$(grep -c 'served method=GET path="/v2/demo/app/blobs/.*status=200' "$WORK/ferry.log" || true)
-WANT=$(python3 -c "import json;i=json.load(open('$WORK/image/index.json'));print(i['manifests'][0]['digest'])")
-GOT=$(ctr --address "$WORK/second/containerd.sock" -n k8s.io images ls | awk -v img="$IMAGE" '$1==img {print $3}')
+echo "==> node 2 pulls (ferry finds node 1 in the DHT and streams from its containerd store)"
+echo "    node 2 pull: $(pull n2)"
+GOT=$(ctr --address "$WORK/n2/containerd.sock" -n k8s.io images ls | awk -v img="$IMAGE" '$1==img {print $3}')
+FROM_PEER=$(metric "$NET.0.12" 'ferry_served_total{kind="blob",source="peer"}')
+BYTES_PEER=$(metric "$NET.0.12" 'ferry_bytes_served_total{kind="blob",source="peer"}')
+UP1=$(upstream_from "$NET.0.11")
+UP2=$(upstream_from "$NET.0.12")
 
 echo "==> result"
-echo "    blobs ferry served from the node's containerd store: $HITS ($SERVED bytes)"
-echo "    upstream requests during the second pull:           $((AFTER - BEFORE))"
-echo "    image digest on the second containerd:              $GOT (pushed: $WANT)"
-
-"$FERRY" cleanup --hosts-dir "$WORK/node/certs.d"
-if [ "$((AFTER - BEFORE))" -eq 0 ] && [ "$GOT" = "$WANT" ] && [ "${HITS:-0}" -ge 4 ]; then
-    echo "==> OK: the second pull was served entirely by ferry"
+echo "    upstream requests from node 1: $UP1, from node 2: $UP2"
+echo "    blobs node 2's ferry got from node 1: ${FROM_PEER:-0} (${BYTES_PEER:-0} bytes)"
+echo "    image on node 2: $GOT (pushed: $WANT)"
+"$FERRY" cleanup --hosts-dir "$WORK/n2/certs.d"
+if [ "$UP2" -eq 0 ] && [ "$GOT" = "$WANT" ] && [ "${FROM_PEER:-0}" -ge 4 ]; then
+    echo "==> OK: node 2's pull was served entirely by node 1, peer to peer"
 else
     echo "==> FAILED: see $WORK (rerun with FERRY_DEMO_KEEP=1)" >&2
     exit 1

@@ -77,7 +77,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         None => None,
     };
     let peer = match &peers {
-        Some(p) => Some(bind(p.p2p.peer_http_addr).await?),
+        Some(p) => {
+            let listener = bind(p.p2p.peer_http_addr).await?;
+            // Authentication of peers comes with the cluster secret; until then, say it.
+            tracing::warn!(
+                peer_addr = %p.p2p.peer_http_addr,
+                "the peer address serves this node's images to anyone who can reach it; restrict it with a firewall or run with --p2p false"
+            );
+            Some(listener)
+        }
         None => None,
     };
     let store: Arc<dyn ContentStore> = Arc::new(ContainerdStore::new(
