@@ -45,28 +45,17 @@ impl Node {
             format!("server = \"http://{registry}\"\n\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
         )
         .unwrap();
-        let mut cmd = in_netns(Some(&ns), Ferry::bin().to_str().unwrap());
-        cmd.arg("run")
-            .arg("--containerd-socket")
-            .arg(&containerd.socket)
-            .arg("--containerd-content-dir")
-            .arg(containerd.content_dir())
-            .arg("--containerd-config")
-            .arg(&containerd.config)
-            .arg("--hosts-dir")
-            .arg(&containerd.hosts_dir)
-            .arg("--data-dir")
-            .arg(dir.join(name).join("ferry-data"))
-            .args(["--mirror-addr", "127.0.0.1:5480"])
-            .args(["--metrics-addr", &format!("{ip}:{METRICS_PORT}")])
-            .args(["--advertise-addr", &ip.to_string()])
+        let node_dir = dir.join(name);
+        let mirror: SocketAddr = "127.0.0.1:5480".parse().unwrap();
+        let metrics = SocketAddr::new(ip.into(), METRICS_PORT);
+        let mut cmd = Ferry::command(&node_dir, &containerd, mirror, metrics);
+        cmd.args(["--advertise-addr", &ip.to_string()])
             // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
-            .args(["--resolve-timeout", "1s"])
-            .args(["--log-level", "debug"]);
+            .args(["--resolve-timeout", "1s"]);
         if let Some(seed) = bootstrap {
             cmd.args(["--bootstrap-peers", &format!("{seed}:{P2P_PORT}")]);
         }
-        let ferry = Proc::spawn(cmd, dir.join(name).join("ferry.log"));
+        let ferry = Proc::spawn(cmd, node_dir.join("ferry.log"));
         let node = Node {
             ip,
             containerd,

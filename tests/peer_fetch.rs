@@ -147,6 +147,24 @@ fn p2p_setup(
     Peering::P2p(PeerSetup::from_settings(&settings, &dir.join("data"), &Registries::All).unwrap())
 }
 
+/// Peering through an in-memory router, as node `id` of `network`.
+fn memory_peering(network: &MemoryNetwork, id: &str, http: SocketAddr) -> Peering {
+    Peering::Router {
+        router: Arc::new(network.node(Peer {
+            id: id.into(),
+            addr: http,
+        })),
+        fetch: PeerFetchConfig {
+            resolve_timeout: Duration::from_millis(500),
+            resolve_latest: false,
+        },
+        sync: SyncConfig {
+            registries: Registries::All,
+            interval: Duration::from_secs(3600),
+        },
+    }
+}
+
 fn free_addr() -> SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -306,20 +324,7 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
     let asker = run_node(
         &tmp.path().join("asker"),
         Arc::new(MemoryStore::new()),
-        |http| Peering::Router {
-            router: Arc::new(network.node(Peer {
-                id: "c-asker".into(),
-                addr: http,
-            })),
-            fetch: PeerFetchConfig {
-                resolve_timeout: Duration::from_millis(500),
-                resolve_latest: false,
-            },
-            sync: SyncConfig {
-                registries: Registries::All,
-                interval: Duration::from_secs(3600),
-            },
-        },
+        |http| memory_peering(&network, "c-asker", http),
     )
     .await;
     let (status, body, _) = get(
@@ -345,20 +350,7 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
     let doomed = run_node(
         &tmp.path().join("doomed"),
         Arc::new(MemoryStore::new()),
-        |http| Peering::Router {
-            router: Arc::new(lonely.node(Peer {
-                id: "c".into(),
-                addr: http,
-            })),
-            fetch: PeerFetchConfig {
-                resolve_timeout: Duration::from_millis(500),
-                resolve_latest: false,
-            },
-            sync: SyncConfig {
-                registries: Registries::All,
-                interval: Duration::from_secs(3600),
-            },
-        },
+        |http| memory_peering(&lonely, "c", http),
     )
     .await;
     let response = reqwest::get(format!(

@@ -435,11 +435,17 @@ impl Ferry {
         PathBuf::from(env!("CARGO_BIN_EXE_ferry"))
     }
 
-    /// Starts `ferry run` for `containerd` (which may be stopped), waits until it listens.
-    pub fn start(dir: &Path, containerd: &Containerd, extra: &[&str]) -> Ferry {
-        let mirror = free_addr();
-        let metrics = free_addr();
-        let mut cmd = Command::new(Self::bin());
+    /// `ferry run` against `containerd`, in its network namespace, state under `dir`.
+    pub fn command(
+        dir: &Path,
+        containerd: &Containerd,
+        mirror: SocketAddr,
+        metrics: SocketAddr,
+    ) -> Command {
+        let mut cmd = in_netns(
+            containerd.netns.as_deref(),
+            Self::bin().to_str().expect("utf-8 path"),
+        );
         cmd.arg("run")
             .arg("--containerd-socket")
             .arg(&containerd.socket)
@@ -455,8 +461,16 @@ impl Ferry {
             .arg(metrics.to_string())
             .arg("--data-dir")
             .arg(dir.join("ferry-data"))
-            .args(["--log-level", "debug"])
-            .args(extra);
+            .args(["--log-level", "debug"]);
+        cmd
+    }
+
+    /// Starts `ferry run` for `containerd` (which may be stopped), waits until it listens.
+    pub fn start(dir: &Path, containerd: &Containerd, extra: &[&str]) -> Ferry {
+        let mirror = free_addr();
+        let metrics = free_addr();
+        let mut cmd = Self::command(dir, containerd, mirror, metrics);
+        cmd.args(extra);
         let proc = Proc::spawn(cmd, dir.join("ferry.log"));
         wait_for("ferry to listen", || {
             std::net::TcpStream::connect(mirror).is_ok()
