@@ -76,17 +76,24 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         Some(settings) => PeerSetup::from_settings(settings, &config.data_dir, &config.registries),
         None => None,
     };
-    let peer = match &peers {
-        Some(p) => {
-            let listener = bind(p.p2p.peer_http_addr).await?;
-            // Authentication of peers comes with the cluster secret; until then, say it.
-            tracing::warn!(
-                peer_addr = %p.p2p.peer_http_addr,
-                "the peer address serves this node's images to anyone who can reach it; restrict it with a firewall or run with --p2p false"
-            );
-            Some(listener)
-        }
-        None => None,
+    // Peer-to-peer is an addition to the mirror: if its listener cannot be bound, this node
+    // serves its own content alone rather than not at all.
+    let (peers, peer) = match peers {
+        Some(p) => match bind(p.p2p.peer_http_addr).await {
+            Ok(listener) => {
+                // Authentication of peers comes with the cluster secret; until then, say it.
+                tracing::warn!(
+                    peer_addr = %p.p2p.peer_http_addr,
+                    "the peer address serves this node's images to anyone who can reach it; restrict it with a firewall or run with --p2p false"
+                );
+                (Some(p), Some(listener))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "peer-to-peer is off: serving this node's content only");
+                (None, None)
+            }
+        },
+        None => (None, None),
     };
     let store: Arc<dyn ContentStore> = Arc::new(ContainerdStore::new(
         config.containerd_socket.clone(),
