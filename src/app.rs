@@ -23,7 +23,7 @@ use crate::containerd_config::{self, Action, Outcome, preflight};
 use crate::metrics::Metrics;
 use crate::ops::{self, Readiness};
 use crate::registry::peer_fetch::PeerFetchConfig;
-use crate::registry::{self, PeerFetcher, RegistryState};
+use crate::registry::{self, PeerFetcher, PeerGuard, RegistryState};
 use crate::routing::Router;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
 use crate::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
@@ -73,7 +73,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         tracing::warn!("{warning}");
     }
     let peers = match &config.p2p {
-        Some(settings) => PeerSetup::from_settings(settings, &config.data_dir, &config.registries),
+        Some(settings) => PeerSetup::from_settings(&config, settings),
         None => None,
     };
     // Peer-to-peer is an addition to the mirror: if its listener cannot be bound, this node
@@ -81,11 +81,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let (peers, peer) = match peers {
         Some(p) => match bind(p.p2p.peer_http_addr).await {
             Ok(listener) => {
-                // Authentication of peers comes with the cluster secret; until then, say it.
-                tracing::warn!(
-                    peer_addr = %p.p2p.peer_http_addr,
-                    "the peer address serves this node's images to anyone who can reach it; restrict it with a firewall or run with --p2p false"
-                );
+                if config.cluster_secret.is_some() {
+                    tracing::info!(peer_addr = %p.p2p.peer_http_addr, "private peer network: peers need the cluster secret");
+                } else {
+                    tracing::warn!(
+                        peer_addr = %p.p2p.peer_http_addr,
+                        "NO CLUSTER SECRET: the peer address serves this node's shared images to anyone who can reach it, and anyone can join the peer network; set --cluster-secret-file"
+                    );
+                }
                 (Some(p), Some(listener))
             }
             Err(e) => {
@@ -163,11 +166,8 @@ impl std::fmt::Debug for PeerSetup {
 
 impl PeerSetup {
     /// `None` (with a warning) when this host has no address other nodes could reach.
-    pub fn from_settings(
-        settings: &P2pSettings,
-        data_dir: &std::path::Path,
-        registries: &crate::config::Registries,
-    ) -> Option<PeerSetup> {
+    pub fn from_settings(config: &Config, settings: &P2pSettings) -> Option<PeerSetup> {
+        let data_dir = &config.data_dir;
         let Some(advertise) = settings.advertise_addr.or_else(first_non_loopback_ip) else {
             tracing::warn!(
                 "no non-loopback address found: peer-to-peer is off; set --advertise-addr"
@@ -205,6 +205,7 @@ impl PeerSetup {
                     ttl: settings.provide_ttl,
                     interval: settings.reprovide_interval,
                 },
+                psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
             },
             bootstrap: Arc::new(Bootstraps(sources)),
             bootstrap_configured: !settings.bootstrap_peers.is_empty()
@@ -212,9 +213,14 @@ impl PeerSetup {
             fetch: PeerFetchConfig {
                 resolve_timeout: settings.resolve_timeout,
                 resolve_latest: settings.resolve_latest,
+                connect_timeout: settings.peer_connect_timeout,
+                first_byte_timeout: settings.peer_first_byte_timeout,
+                idle_timeout: settings.peer_idle_timeout,
+                verify_before_serving: settings.verify_before_serving,
             },
             sync: SyncConfig {
-                registries: registries.clone(),
+                registries: config.registries.clone(),
+                filters: config.registry_filters.clone(),
                 interval: settings.reprovide_interval,
             },
         })
@@ -269,14 +275,22 @@ pub async fn serve(
             sync,
         } => Some((router, fetch, sync)),
     };
+    let secret = config.cluster_secret.clone();
     let fetcher = peers.as_ref().map(|(router, fetch, _)| {
-        Arc::new(PeerFetcher::new(router.clone(), *fetch, metrics.clone()))
+        Arc::new(PeerFetcher::new(
+            router.clone(),
+            *fetch,
+            secret.clone(),
+            metrics.clone(),
+        ))
     });
+    let (exposed_tx, exposed) = sync::exposure();
     let state = RegistryState {
         store: store.clone(),
         registries: config.registries.clone(),
         metrics: metrics.clone(),
         peers: fetcher,
+        guard: None,
     };
     spawn_server(
         &tracker,
@@ -286,9 +300,11 @@ pub async fn serve(
         registry::router(state.clone()),
     );
     if let Some(listener) = listeners.peer {
-        // The peer address serves this node's own content only, never asks further.
+        // The peer address serves this node's own content only, never asks further, and only
+        // what this node advertises, to callers with a valid token.
         let local_only = RegistryState {
             peers: None,
+            guard: Some(PeerGuard { secret, exposed }),
             ..state
         };
         spawn_server(
@@ -312,6 +328,7 @@ pub async fn serve(
             router,
             sync_config,
             metrics.clone(),
+            exposed_tx,
             token.clone(),
         ));
     }

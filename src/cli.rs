@@ -127,6 +127,62 @@ pub struct Flags {
     /// Peer-to-peer on or off; off serves this node's content only [default: true]
     #[arg(long, global = true, env = "FERRY_P2P", value_name = "BOOL")]
     pub p2p: Option<String>,
+    /// File holding the cluster secret: a private libp2p network and signed peer requests
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CLUSTER_SECRET_FILE",
+        value_name = "FILE"
+    )]
+    pub cluster_secret_file: Option<String>,
+    /// Regexes on registry/repo[:tag] of images shared with peers; `!` in front excludes
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_REGISTRY_FILTERS",
+        value_name = "LIST"
+    )]
+    pub registry_filters: Option<String>,
+    /// Allow a mirror address that is not loopback [default: false]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_MIRROR_ALLOW_REMOTE",
+        value_name = "BOOL"
+    )]
+    pub mirror_allow_remote: Option<String>,
+    /// Bound on connecting to a peer [default: 500ms]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_PEER_CONNECT_TIMEOUT",
+        value_name = "DUR"
+    )]
+    pub peer_connect_timeout: Option<String>,
+    /// Bound from request to a peer's response headers [default: 2s]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_PEER_FIRST_BYTE_TIMEOUT",
+        value_name = "DUR"
+    )]
+    pub peer_first_byte_timeout: Option<String>,
+    /// Longest silence in a peer's body before moving to the next provider [default: 5s]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_PEER_IDLE_TIMEOUT",
+        value_name = "DUR"
+    )]
+    pub peer_idle_timeout: Option<String>,
+    /// Blobs from peers up to this size are verified before the first byte is served [default: 4MiB]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_VERIFY_BEFORE_SERVING",
+        value_name = "SIZE"
+    )]
+    pub verify_before_serving: Option<String>,
     /// text or json [default: text]
     #[arg(long, global = true, env = "FERRY_LOG_FORMAT", value_name = "FORMAT")]
     pub log_format: Option<String>,
@@ -159,6 +215,13 @@ impl Flags {
             ("provide-ttl", &self.provide_ttl),
             ("reprovide-interval", &self.reprovide_interval),
             ("p2p", &self.p2p),
+            ("cluster-secret-file", &self.cluster_secret_file),
+            ("registry-filters", &self.registry_filters),
+            ("mirror-allow-remote", &self.mirror_allow_remote),
+            ("peer-connect-timeout", &self.peer_connect_timeout),
+            ("peer-first-byte-timeout", &self.peer_first_byte_timeout),
+            ("peer-idle-timeout", &self.peer_idle_timeout),
+            ("verify-before-serving", &self.verify_before_serving),
             ("log-format", &self.log_format),
             ("log-level", &self.log_level),
         ]

@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cli::Flags;
+use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 21] = [
+pub const KEYS: [(&str, &str); 28] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -32,6 +33,13 @@ pub const KEYS: [(&str, &str); 21] = [
     ("provide-ttl", "30m"),
     ("reprovide-interval", "10m"),
     ("p2p", "true"),
+    ("cluster-secret-file", ""),
+    ("registry-filters", ""),
+    ("mirror-allow-remote", "false"),
+    ("peer-connect-timeout", "500ms"),
+    ("peer-first-byte-timeout", "2s"),
+    ("peer-idle-timeout", "5s"),
+    ("verify-before-serving", "4MiB"),
     ("log-format", "text"),
     ("log-level", "info"),
 ];
@@ -48,6 +56,8 @@ pub struct Config {
     pub metrics_addr: SocketAddr,
     pub data_dir: PathBuf,
     pub p2p: Option<P2pSettings>,
+    pub cluster_secret: Option<ClusterSecret>,
+    pub registry_filters: RegistryFilters,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -66,6 +76,67 @@ pub struct P2pSettings {
     pub resolve_latest: bool,
     pub provide_ttl: Duration,
     pub reprovide_interval: Duration,
+    pub peer_connect_timeout: Duration,
+    pub peer_first_byte_timeout: Duration,
+    pub peer_idle_timeout: Duration,
+    /// Blobs from peers up to this many bytes are verified whole before serving.
+    pub verify_before_serving: u64,
+}
+
+/// Which images are shared with peers: regexes on `registry/repo[:tag]`; a leading `!`
+/// excludes. An image is shared when it matches some inclusion (or there are none) and no
+/// exclusion.
+#[derive(Debug, Clone, Default)]
+pub struct RegistryFilters {
+    filters: Vec<(bool, regex::Regex)>,
+}
+
+impl PartialEq for RegistryFilters {
+    fn eq(&self, other: &Self) -> bool {
+        let key = |f: &RegistryFilters| -> Vec<(bool, String)> {
+            f.filters
+                .iter()
+                .map(|(n, r)| (*n, r.as_str().to_string()))
+                .collect()
+        };
+        key(self) == key(other)
+    }
+}
+
+impl Eq for RegistryFilters {}
+
+impl RegistryFilters {
+    /// Parses `a,b,!c` (or one per line, for regexes that contain commas).
+    pub fn parse(v: &str) -> Result<RegistryFilters, String> {
+        let separator = if v.contains('\n') { '\n' } else { ',' };
+        let mut filters = Vec::new();
+        for item in v.split(separator).map(str::trim).filter(|s| !s.is_empty()) {
+            let (exclude, pattern) = match item.strip_prefix('!') {
+                Some(p) => (true, p),
+                None => (false, item),
+            };
+            // Anchored: a filter names whole image names, not fragments of them.
+            let re = regex::Regex::new(&format!("^(?:{pattern})$"))
+                .map_err(|e| format!("{item:?}: {e}"))?;
+            filters.push((exclude, re));
+        }
+        Ok(RegistryFilters { filters })
+    }
+
+    /// Is the image `registry/repo[:tag]` shared with peers?
+    pub fn allows(&self, name: &str) -> bool {
+        let mut includes = self
+            .filters
+            .iter()
+            .filter(|(exclude, _)| !exclude)
+            .peekable();
+        let included = includes.peek().is_none() || includes.any(|(_, re)| re.is_match(name));
+        included
+            && !self
+                .filters
+                .iter()
+                .any(|(exclude, re)| *exclude && re.is_match(name))
+    }
 }
 
 /// The default port of the peer address, next to the mirror's 5480.
@@ -128,6 +199,17 @@ impl Config {
                 })
                 .unwrap_or_default()
         };
+        let mirror_addr = addr("mirror-addr", &value("mirror-addr"))?;
+        if !mirror_addr.ip().is_loopback()
+            && !boolean("mirror-allow-remote", &value("mirror-allow-remote"))?
+        {
+            return Err(err(
+                "mirror-addr",
+                format!(
+                    "{mirror_addr} is not a loopback address; the mirror serves this node's images to whoever reaches it: set mirror-allow-remote = true to bind it there anyway"
+                ),
+            ));
+        }
         Ok(Config {
             containerd_socket: path("containerd-socket", &value("containerd-socket"))?,
             containerd_namespace: namespace(&value("containerd-namespace"))?,
@@ -138,10 +220,19 @@ impl Config {
             containerd_config: path("containerd-config", &value("containerd-config"))?,
             hosts_dir: path("hosts-dir", &value("hosts-dir"))?,
             registries: registries(&value("registries"))?,
-            mirror_addr: addr("mirror-addr", &value("mirror-addr"))?,
+            mirror_addr,
             metrics_addr: addr("metrics-addr", &value("metrics-addr"))?,
             data_dir: path("data-dir", &value("data-dir"))?,
-            p2p: p2p_settings(&value)?,
+            p2p: p2p_settings(value)?,
+            cluster_secret: match value("cluster-secret-file").as_str() {
+                "" => None,
+                file => Some(
+                    ClusterSecret::load(Path::new(file))
+                        .map_err(|e| err("cluster-secret-file", e.to_string()))?,
+                ),
+            },
+            registry_filters: RegistryFilters::parse(&value("registry-filters"))
+                .map_err(|m| err("registry-filters", m))?,
             log_format: log_format(&value("log-format"))?,
             log_level: log_level(&value("log-level"))?,
         })
@@ -177,17 +268,25 @@ fn read_file(path: &Path) -> Result<HashMap<String, String>, ConfigError> {
         let text = match value {
             toml::Value::String(s) => s,
             toml::Value::Boolean(b) => b.to_string(),
-            toml::Value::Array(items) if key == "registries" || key == "bootstrap-peers" => items
-                .into_iter()
-                .map(|i| match i {
-                    toml::Value::String(s) => Ok(s),
-                    other => Err(err(
-                        &key,
-                        format!("expected strings, found {}", other.type_str()),
-                    )),
-                })
-                .collect::<Result<Vec<_>, _>>()?
-                .join(","),
+            toml::Value::Array(items)
+                if matches!(
+                    key.as_str(),
+                    "registries" | "bootstrap-peers" | "registry-filters"
+                ) =>
+            {
+                items
+                    .into_iter()
+                    .map(|i| match i {
+                        toml::Value::String(s) => Ok(s),
+                        other => Err(err(
+                            &key,
+                            format!("expected strings, found {}", other.type_str()),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    // Newlines, not commas: a regex may contain commas.
+                    .join("\n")
+            }
             other => {
                 return Err(err(
                     &key,
@@ -215,7 +314,7 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         })
         .transpose()?;
     let bootstrap_peers = value("bootstrap-peers")
-        .split(',')
+        .split([',', '\n'])
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .map(|p| crate::routing::bootstrap::parse_peer(p).map_err(|m| err("bootstrap-peers", m)))
@@ -246,6 +345,13 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         resolve_latest: boolean("resolve-latest", &value("resolve-latest"))?,
         provide_ttl,
         reprovide_interval,
+        peer_connect_timeout: duration("peer-connect-timeout", &value("peer-connect-timeout"))?,
+        peer_first_byte_timeout: duration(
+            "peer-first-byte-timeout",
+            &value("peer-first-byte-timeout"),
+        )?,
+        peer_idle_timeout: duration("peer-idle-timeout", &value("peer-idle-timeout"))?,
+        verify_before_serving: size("verify-before-serving", &value("verify-before-serving"))?,
     }))
 }
 
@@ -271,6 +377,27 @@ pub fn duration(key: &str, v: &str) -> Result<Duration, ConfigError> {
         return Err(err(key, "must be more than zero"));
     }
     Ok(d)
+}
+
+/// `4194304`, `512KiB`, `4MiB`, `1GiB`.
+pub fn size(key: &str, v: &str) -> Result<u64, ConfigError> {
+    let bad = || {
+        err(
+            key,
+            format!("{v:?} is not a size such as 4194304, 512KiB or 4MiB"),
+        )
+    };
+    let split = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
+    let (n, unit) = v.split_at(split);
+    let n: u64 = n.parse().map_err(|_| bad())?;
+    let factor: u64 = match unit {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(factor).ok_or_else(bad)
 }
 
 fn boolean(key: &str, v: &str) -> Result<bool, ConfigError> {
@@ -317,7 +444,7 @@ fn namespace(v: &str) -> Result<String, ConfigError> {
 
 fn registries(v: &str) -> Result<Registries, ConfigError> {
     let list: Vec<String> = v
-        .split(',')
+        .split([',', '\n'])
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .map(str::to_string)
@@ -499,9 +626,90 @@ mod tests {
     }
 
     #[test]
+    fn a_non_loopback_mirror_needs_the_explicit_flag() {
+        let flags = Flags {
+            mirror_addr: Some("10.0.0.1:5480".into()),
+            ..Flags::default()
+        };
+        assert_eq!(Config::load(&flags).unwrap_err().key, "mirror-addr");
+    }
+
+    #[test]
+    fn registry_filters_include_and_exclude() {
+        let f = RegistryFilters::parse("docker\\.io/.*,ghcr\\.io/org/.*,!docker\\.io/private/.*")
+            .unwrap();
+        assert!(f.allows("docker.io/library/nginx:1.27"));
+        assert!(f.allows("ghcr.io/org/app:v1"));
+        assert!(!f.allows("docker.io/private/secret:v1"));
+        assert!(!f.allows("quay.io/x/y:z"));
+        let only_exclude = RegistryFilters::parse("!registry\\.corp\\.example(:\\d+)?/.*").unwrap();
+        assert!(only_exclude.allows("docker.io/library/nginx:1.27"));
+        assert!(!only_exclude.allows("registry.corp.example:5000/payroll:v3"));
+        assert!(RegistryFilters::parse("").unwrap().allows("anything"));
+        // One per line, for regexes with commas.
+        let lines = RegistryFilters::parse("a/b{1,2}\nc/.*").unwrap();
+        assert!(lines.allows("a/bb") && lines.allows("c/d") && !lines.allows("a/bbb"));
+    }
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(size("k", "4MiB"), Ok(4 << 20));
+        assert_eq!(size("k", "512KiB"), Ok(512 << 10));
+        assert_eq!(size("k", "123"), Ok(123));
+        assert!(size("k", "4MB").is_err() && size("k", "").is_err() && size("k", "-1").is_err());
+        assert_eq!(duration("k", "20ms"), Ok(Duration::from_millis(20)));
+        assert_eq!(duration("k", "30m"), Ok(Duration::from_secs(1800)));
+        assert!(
+            duration("k", "0s").is_err()
+                && duration("k", "5").is_err()
+                && duration("k", "1d").is_err()
+        );
+    }
+
+    #[test]
+    fn bad_secret_files_and_filters_name_their_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let short = dir.path().join("secret");
+        std::fs::write(&short, "short").unwrap();
+        for (flags, key) in [
+            (
+                Flags {
+                    cluster_secret_file: Some(short.to_str().unwrap().into()),
+                    ..Flags::default()
+                },
+                "cluster-secret-file",
+            ),
+            (
+                Flags {
+                    registry_filters: Some("(unclosed".into()),
+                    ..Flags::default()
+                },
+                "registry-filters",
+            ),
+            (
+                Flags {
+                    reprovide_interval: Some("1h".into()),
+                    ..Flags::default()
+                },
+                "reprovide-interval",
+            ),
+            (
+                Flags {
+                    verify_before_serving: Some("lots".into()),
+                    ..Flags::default()
+                },
+                "verify-before-serving",
+            ),
+        ] {
+            assert_eq!(Config::load(&flags).unwrap_err().key, key);
+        }
+    }
+
+    #[test]
     fn wildcard_mirror_is_reached_over_loopback() {
         let flags = Flags {
             mirror_addr: Some("0.0.0.0:6000".into()),
+            mirror_allow_remote: Some("true".into()),
             ..Flags::default()
         };
         assert_eq!(
@@ -510,6 +718,7 @@ mod tests {
         );
         let flags = Flags {
             mirror_addr: Some("[::]:6000".into()),
+            mirror_allow_remote: Some("true".into()),
             ..Flags::default()
         };
         assert_eq!(

@@ -13,6 +13,7 @@
 //! - [`containerd_config`]: the `hosts.toml` merge/cleanup and containerd config preflight.
 //! - [`routing`]: the `Router` trait (libp2p Kademlia, in-memory), bootstrap, store sync.
 //! - [`registry`]: the axum handlers of the mirror and peer addresses, peer fetch.
+//! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`metrics`]: every metric family in one place.
 
@@ -26,3 +27,4 @@ pub mod ops;
 pub mod registry;
 pub mod routing;
 pub mod store;
+pub mod trust;

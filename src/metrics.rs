@@ -35,6 +35,12 @@ pub struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// missing, malformed, expired, invalid
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabels {
     /// connect, status, body, verify
     pub stage: &'static str,
@@ -67,6 +73,7 @@ pub struct Metrics {
     pub peer_lookups: Family<ResultLabels, Counter>,
     pub peer_lookup_duration: Histogram,
     pub peer_failures: Family<StageLabels, Counter>,
+    pub peer_auth_failures: Family<ReasonLabels, Counter>,
     pub peers_connected: Gauge,
     pub keys_advertised: Gauge,
     pub lookups: Family<LookupLabels, Counter>,
@@ -92,6 +99,7 @@ impl Metrics {
         let peer_lookups = Family::<ResultLabels, Counter>::default();
         let peer_lookup_duration = Histogram::new(LOOKUP_BUCKETS);
         let peer_failures = Family::<StageLabels, Counter>::default();
+        let peer_auth_failures = Family::<ReasonLabels, Counter>::default();
         let peers_connected = Gauge::default();
         let keys_advertised = Gauge::default();
         let lookups = Family::<LookupLabels, Counter>::default();
@@ -133,6 +141,11 @@ impl Metrics {
             peer_failures.clone(),
         );
         registry.register(
+            "peer_auth_failures",
+            "Requests to the peer address refused for their token (missing, malformed, expired, invalid)",
+            peer_auth_failures.clone(),
+        );
+        registry.register(
             "peers_connected",
             "Peers with an open libp2p connection",
             peers_connected.clone(),
@@ -166,6 +179,7 @@ impl Metrics {
             peer_lookups,
             peer_lookup_duration,
             peer_failures,
+            peer_auth_failures,
             peers_connected,
             keys_advertised,
             lookups,

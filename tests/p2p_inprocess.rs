@@ -12,6 +12,7 @@ use ferry::metrics::Metrics;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
 use ferry::routing::{Peer, Router};
+use ferry::trust::ClusterSecret;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -47,7 +48,18 @@ fn start(
     http: SocketAddr,
     bootstrap: &[SocketAddr],
 ) -> Node {
+    start_with_key(data_dir, p2p, http, bootstrap, None)
+}
+
+fn start_with_key(
+    data_dir: &std::path::Path,
+    p2p: SocketAddr,
+    http: SocketAddr,
+    bootstrap: &[SocketAddr],
+    psk: Option<[u8; 32]>,
+) -> Node {
     let config = P2pConfig {
+        psk,
         data_dir: data_dir.to_path_buf(),
         listen: p2p,
         advertise: Some(LOOPBACK),
@@ -250,6 +262,67 @@ async fn a_restarted_node_keeps_its_identity_and_serves_again() {
     .await;
     stop(again).await;
     for n in nodes {
+        stop(n).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_cluster_key_cannot_join_or_poison_records() {
+    let tmp = tempfile::tempdir().unwrap();
+    let key = Some(ClusterSecret::from_bytes(b"the cluster's own secret, 32+ bytes").pnet_key());
+    let wrong = Some(ClusterSecret::from_bytes(b"somebody else's secret, also long").pnet_key());
+    let addr = || SocketAddr::new(LOOPBACK, free_port());
+    let seed = addr();
+    let a = start_with_key(&tmp.path().join("a"), seed, addr(), &[], key);
+    let b = start_with_key(&tmp.path().join("b"), addr(), addr(), &[seed], key);
+    eventually("members connect", || {
+        let c = b.router.connected_peers();
+        async move { c > 0 }
+    })
+    .await;
+    let outsider = start_with_key(&tmp.path().join("x"), addr(), addr(), &[seed], wrong);
+    let open = start(&tmp.path().join("o"), addr(), addr(), &[seed]);
+    let key_name = "sha256:00000000000000000000000000000000000000000000000000000000000000aa";
+    outsider
+        .router
+        .advertise(vec![key_name.to_string()])
+        .await
+        .unwrap();
+    open.router
+        .advertise(vec![key_name.to_string()])
+        .await
+        .unwrap();
+    // Give them every chance: bootstrap redials, announcements.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        outsider.router.connected_peers(),
+        0,
+        "a wrong key never completes a connection"
+    );
+    assert_eq!(
+        open.router.connected_peers(),
+        0,
+        "no key at all never completes a connection"
+    );
+    assert!(
+        providers(&a.router, key_name).await.is_empty(),
+        "outsiders' records never reach members"
+    );
+    assert!(providers(&b.router, key_name).await.is_empty());
+
+    // Members still work with each other.
+    a.router
+        .advertise(vec![key_name.to_string()])
+        .await
+        .unwrap();
+    eventually("members find each other's records", || async {
+        providers(&b.router, key_name)
+            .await
+            .iter()
+            .any(|p| p.id == a.router.peer_id().to_base58())
+    })
+    .await;
+    for n in [a, b, outsider, open] {
         stop(n).await;
     }
 }

@@ -11,13 +11,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ferry::app::{Listeners, PeerSetup, Peering, serve};
 use ferry::cli::Flags;
-use ferry::config::{Config, Registries};
+use ferry::config::{Config, Registries, RegistryFilters};
 use ferry::oci::manifest::OCI_MANIFEST;
 use ferry::registry::peer_fetch::PeerFetchConfig;
 use ferry::routing::memory::MemoryNetwork;
 use ferry::routing::sync::SyncConfig;
 use ferry::routing::{Peer, Router};
 use ferry::store::memory::MemoryStore;
+use ferry::trust::{ClusterSecret, TOKEN_HEADER, token};
 use sha2::Digest as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -53,6 +54,15 @@ async fn run_node(
     store: Arc<MemoryStore>,
     peering: impl FnOnce(SocketAddr) -> Peering,
 ) -> Running {
+    run_node_with_secret(dir, store, None, peering).await
+}
+
+async fn run_node_with_secret(
+    dir: &std::path::Path,
+    store: Arc<MemoryStore>,
+    secret: Option<ClusterSecret>,
+    peering: impl FnOnce(SocketAddr) -> Peering,
+) -> Running {
     let (mirror, peer, ops) = (bind().await, bind().await, bind().await);
     let addrs = (
         mirror.local_addr().unwrap(),
@@ -67,7 +77,9 @@ async fn run_node(
         ops,
     };
     let shutdown = stop.clone().cancelled_owned();
-    let task = tokio::spawn(serve(config(dir), store, listeners, peering, shutdown));
+    let mut config = config(dir);
+    config.cluster_secret = secret;
+    let task = tokio::spawn(serve(config, store, listeners, peering, shutdown));
     Running {
         mirror: addrs.0,
         peer: addrs.1,
@@ -132,6 +144,7 @@ fn p2p_setup(
     http: SocketAddr,
     p2p: SocketAddr,
     bootstrap: Option<SocketAddr>,
+    secret: Option<ClusterSecret>,
 ) -> Peering {
     let mut flags = Flags {
         advertise_addr: Some("127.0.0.1".into()),
@@ -143,23 +156,40 @@ fn p2p_setup(
     if let Some(b) = bootstrap {
         flags.bootstrap_peers = Some(b.to_string());
     }
+    let mut config = config(dir);
     let settings = Config::load(&flags).unwrap().p2p.unwrap();
-    Peering::P2p(PeerSetup::from_settings(&settings, &dir.join("data"), &Registries::All).unwrap())
+    config.cluster_secret = secret;
+    Peering::P2p(PeerSetup::from_settings(&config, &settings).unwrap())
 }
 
 /// Peering through an in-memory router, as node `id` of `network`.
 fn memory_peering(network: &MemoryNetwork, id: &str, http: SocketAddr) -> Peering {
+    memory_peering_verifying(
+        network,
+        id,
+        http,
+        PeerFetchConfig::with_resolve_timeout(Duration::ZERO).verify_before_serving,
+    )
+}
+
+/// As [`memory_peering`], verifying blobs up to `verify_limit` bytes before serving them.
+fn memory_peering_verifying(
+    network: &MemoryNetwork,
+    id: &str,
+    http: SocketAddr,
+    verify_limit: u64,
+) -> Peering {
+    let mut fetch = PeerFetchConfig::with_resolve_timeout(Duration::from_millis(500));
+    fetch.verify_before_serving = verify_limit;
     Peering::Router {
         router: Arc::new(network.node(Peer {
             id: id.into(),
             addr: http,
         })),
-        fetch: PeerFetchConfig {
-            resolve_timeout: Duration::from_millis(500),
-            resolve_latest: false,
-        },
+        fetch,
         sync: SyncConfig {
             registries: Registries::All,
+            filters: RegistryFilters::default(),
             interval: Duration::from_secs(3600),
         },
     }
@@ -178,22 +208,25 @@ async fn a_local_miss_is_served_by_the_node_that_has_it_over_real_libp2p() {
     let (p2p_a, p2p_b, p2p_c) = (free_addr(), free_addr(), free_addr());
     let store_a = Arc::new(MemoryStore::new());
     let (layer, bytes) = image(&store_a);
-    let a = run_node(&tmp.path().join("a"), store_a, |http| {
-        p2p_setup(&tmp.path().join("a"), http, p2p_a, None)
-    })
-    .await;
-    let b = run_node(
-        &tmp.path().join("b"),
-        Arc::new(MemoryStore::new()),
-        |http| p2p_setup(&tmp.path().join("b"), http, p2p_b, Some(p2p_a)),
-    )
-    .await;
-    let c = run_node(
-        &tmp.path().join("c"),
-        Arc::new(MemoryStore::new()),
-        |http| p2p_setup(&tmp.path().join("c"), http, p2p_c, Some(p2p_a)),
-    )
-    .await;
+    // A private cluster: pnet on libp2p, signed requests between peer addresses.
+    let secret = || {
+        Some(ClusterSecret::from_bytes(
+            b"in-process cluster secret, 32 bytes+",
+        ))
+    };
+    let node =
+        |name: &'static str, store: Arc<MemoryStore>, p2p: SocketAddr, seed: Option<SocketAddr>| {
+            let dir = tmp.path().join(name);
+            async move {
+                run_node_with_secret(&dir.clone(), store, secret(), |http| {
+                    p2p_setup(&dir, http, p2p, seed, secret())
+                })
+                .await
+            }
+        };
+    let a = node("a", store_a, p2p_a, None).await;
+    let b = node("b", Arc::new(MemoryStore::new()), p2p_b, Some(p2p_a)).await;
+    let c = node("c", Arc::new(MemoryStore::new()), p2p_c, Some(p2p_a)).await;
 
     let url = format!(
         "http://{}/v2/team/app/blobs/{layer}?ns=registry.test",
@@ -251,12 +284,73 @@ async fn a_local_miss_is_served_by_the_node_that_has_it_over_real_libp2p() {
     assert_eq!(body, bytes[100..200]);
 
     // The peer address serves local content only: C's peer address never asks A.
-    let (status, _, _) = get(
-        &format!("http://{}/v2/team/app/blobs/{layer}", c.peer),
-        None,
-    )
-    .await;
-    assert_eq!(status, 404);
+    let target = format!("/v2/team/app/blobs/{layer}");
+    let r = reqwest::Client::new()
+        .get(format!("http://{}{target}", c.peer))
+        .header(
+            TOKEN_HEADER,
+            token::sign(&secret().unwrap(), "GET", &target),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    // A's peer address: without a valid token, 401 and nothing about what exists.
+    let target = format!("/v2/team/app/blobs/{layer}");
+    let url_a = format!("http://{}{target}", a.peer);
+    let other = ClusterSecret::from_bytes(b"a secret from another cluster....");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    for (what, token) in [
+        ("none", None),
+        ("garbage", Some("v1.123.abc".to_string())),
+        ("wrong secret", Some(token::sign(&other, "GET", &target))),
+        (
+            "expired",
+            Some(token::sign_at(
+                &secret().unwrap(),
+                "GET",
+                &target,
+                now - 120,
+            )),
+        ),
+        (
+            "other path",
+            Some(token::sign(&secret().unwrap(), "GET", "/v2/")),
+        ),
+    ] {
+        let mut req = reqwest::Client::new().get(&url_a);
+        if let Some(t) = &token {
+            req = req.header(TOKEN_HEADER, t);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 401, "{what}");
+        assert!(r.text().await.unwrap().contains("UNAUTHORIZED"), "{what}");
+    }
+    let absent_target = format!("/v2/team/app/blobs/{}", sha(b"absent"));
+    let r = reqwest::get(format!("http://{}{absent_target}", a.peer))
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        401,
+        "an absent blob looks the same as a present one without a token"
+    );
+    let r = reqwest::Client::new()
+        .get(&url_a)
+        .header(
+            TOKEN_HEADER,
+            token::sign(&secret().unwrap(), "GET", &target),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(sha(&r.bytes().await.unwrap()), layer);
+    assert!(metric(a.ops, "ferry_peer_auth_failures_total{reason=\"expired\"}").await >= 1);
+
     // Nobody has it: a 404, fast (bounded by --resolve-timeout, here 2 s).
     let absent = sha(b"nobody");
     let (status, _, _) = get(
@@ -300,7 +394,11 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
     let network = MemoryNetwork::new();
     let store_good = Arc::new(MemoryStore::new());
     let (layer, bytes) = image(&store_good);
-    let good = run_node(&tmp.path().join("good"), store_good, |_| Peering::Off).await;
+    // The good node advertises through the memory network as "b-good" (its sync does it).
+    let good = run_node(&tmp.path().join("good"), store_good, |http| {
+        memory_peering(&network, "b-good", http)
+    })
+    .await;
     let cut_at = 1_000_000;
     let dying = dying_peer(bytes.clone(), cut_at).await;
     // The memory router lists providers by ID: the dying peer comes first.
@@ -321,23 +419,39 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
         .await
         .unwrap();
 
-    let asker = run_node(
-        &tmp.path().join("asker"),
-        Arc::new(MemoryStore::new()),
-        |http| memory_peering(&network, "c-asker", http),
-    )
-    .await;
-    let (status, body, _) = get(
-        &format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror),
-        None,
-    )
-    .await;
-    assert_eq!(status, 200);
-    assert_eq!(body.len(), bytes.len());
-    assert_eq!(sha(&body), layer, "the resumed transfer is byte-identical");
-    assert!(metric(asker.ops, "ferry_peer_failures_total{stage=\"body\"}").await >= 1);
+    // Both paths: the blob (3 MiB) is verified whole before serving under the default limit
+    // (4 MiB), and streamed with resume when the limit is lower.
+    for (limit, path) in [
+        (4 << 20, "verified whole"),
+        (1 << 20, "streamed and resumed"),
+    ] {
+        let asker = run_node(
+            &tmp.path().join(format!("asker-{limit}")),
+            Arc::new(MemoryStore::new()),
+            |http| memory_peering_verifying(&network, "c-asker", http, limit),
+        )
+        .await;
+        let (status, body, _) = get(
+            &format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror),
+            None,
+        )
+        .await;
+        assert_eq!(status, 200, "{path}");
+        assert_eq!(body.len(), bytes.len(), "{path}");
+        assert_eq!(
+            sha(&body),
+            layer,
+            "{path}: byte-identical despite the dying peer"
+        );
+        assert!(
+            metric(asker.ops, "ferry_peer_failures_total{stage=\"body\"}").await >= 1,
+            "{path}"
+        );
+        asker.stop().await;
+    }
 
-    // With only the dying peer, the transfer fails loudly (a reset), never a short 200.
+    // With only the dying peer: a clean 404 when verifying first (containerd goes upstream),
+    // an error mid-body when streaming (a reset, never a short 200).
     let lonely = MemoryNetwork::new();
     lonely
         .node(Peer {
@@ -347,15 +461,27 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
         .advertise(vec![layer.clone()])
         .await
         .unwrap();
-    let doomed = run_node(
-        &tmp.path().join("doomed"),
+    let verified = run_node(
+        &tmp.path().join("doomed-v"),
         Arc::new(MemoryStore::new()),
         |http| memory_peering(&lonely, "c", http),
     )
     .await;
+    let (status, _, _) = get(
+        &format!("http://{}/v2/team/app/blobs/{layer}", verified.mirror),
+        None,
+    )
+    .await;
+    assert_eq!(status, 404);
+    let streamed = run_node(
+        &tmp.path().join("doomed-s"),
+        Arc::new(MemoryStore::new()),
+        |http| memory_peering_verifying(&lonely, "c", http, 1 << 20),
+    )
+    .await;
     let response = reqwest::get(format!(
         "http://{}/v2/team/app/blobs/{layer}",
-        doomed.mirror
+        streamed.mirror
     ))
     .await
     .unwrap();
@@ -364,7 +490,7 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
         response.bytes().await.is_err(),
         "a truncated body must be an error for the client"
     );
-    for n in [good, asker, doomed] {
+    for n in [good, verified, streamed] {
         n.stop().await;
     }
 }

@@ -12,6 +12,7 @@ pub enum ErrorCode {
     DigestInvalid,
     ManifestInvalid,
     Unsupported,
+    Unauthorized,
 }
 
 impl ErrorCode {
@@ -24,6 +25,7 @@ impl ErrorCode {
             ErrorCode::DigestInvalid => "DIGEST_INVALID",
             ErrorCode::ManifestInvalid => "MANIFEST_INVALID",
             ErrorCode::Unsupported => "UNSUPPORTED",
+            ErrorCode::Unauthorized => "UNAUTHORIZED",
         }
     }
 }

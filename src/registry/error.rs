@@ -25,6 +25,9 @@ pub enum ApiError {
     Unsupported,
     #[error("ferry serves pulls only: method not allowed")]
     MethodNotAllowed,
+    /// The same answer whatever was wrong and whatever was asked: nothing about what exists.
+    #[error("authentication required")]
+    Unauthorized,
 }
 
 impl ApiError {
@@ -64,6 +67,7 @@ impl ApiError {
             ApiError::BadNamespace(_) => (StatusCode::BAD_REQUEST, ErrorCode::NameInvalid),
             ApiError::Unsupported => (StatusCode::NOT_FOUND, ErrorCode::Unsupported),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, ErrorCode::Unsupported),
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized),
         }
     }
 }

@@ -8,10 +8,13 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 
 use super::peer_fetch::{PeerFetcher, PeerRequest};
-use super::{ApiError, HOP_HEADER, RegistryState, local};
+use super::{ApiError, HOP_HEADER, PeerGuard, RegistryState, local};
 use crate::config::registry_host;
-use crate::metrics::{KindLabels, RequestLabels, SourceLabels};
+use crate::metrics::{KindLabels, ReasonLabels, RequestLabels, SourceLabels};
+use crate::oci::Reference;
 use crate::oci::{self, ApiPath, path};
+use crate::routing::{digest_key, tag_key};
+use crate::trust::{TOKEN_HEADER, token};
 
 type Shared = Arc<RegistryState>;
 
@@ -68,12 +71,23 @@ async fn dispatch(
     headers: &HeaderMap,
     parsed: Result<ApiPath, path::PathError>,
 ) -> Result<Response, ApiError> {
+    if let Some(guard) = &state.guard {
+        authorize(state, guard, method, uri, headers)?;
+    }
     let head = match *method {
         Method::GET => false,
         Method::HEAD => true,
         _ => return Err(ApiError::MethodNotAllowed),
     };
     let ns = registry_param(uri)?;
+    if let (Some(guard), Ok(path)) = (&state.guard, &parsed)
+        && !exposed(guard, path, ns.as_deref())
+    {
+        return Err(match path {
+            ApiPath::Manifest { .. } => ApiError::ManifestUnknown,
+            _ => ApiError::BlobUnknown,
+        });
+    }
     if let Some(ns) = &ns
         && !state.registries.includes(ns)
     {
@@ -157,6 +171,49 @@ where
     }
     count("miss");
     Err(miss)
+}
+
+/// Peer requests carry a token signed with the cluster secret (when there is one). Checked
+/// before anything else, so an unauthenticated caller learns nothing about what exists.
+fn authorize(
+    state: &RegistryState,
+    guard: &PeerGuard,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Result<(), ApiError> {
+    let Some(secret) = &guard.secret else {
+        return Ok(());
+    };
+    let token = headers.get(TOKEN_HEADER).and_then(|v| v.to_str().ok());
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    token::verify(secret, method.as_str(), path, token).map_err(|e| {
+        tracing::warn!(reason = e.reason(), %method, path, "peer request refused");
+        state
+            .metrics
+            .peer_auth_failures
+            .get_or_create(&ReasonLabels { reason: e.reason() })
+            .inc();
+        ApiError::Unauthorized
+    })
+}
+
+/// Does this node advertise what is asked? The peer address serves nothing else.
+fn exposed(guard: &PeerGuard, path: &ApiPath, ns: Option<&str>) -> bool {
+    let exposed = guard.exposed.borrow();
+    match path {
+        ApiPath::Base => true,
+        ApiPath::Blob { digest, .. } => exposed.contains(&digest_key(digest)),
+        ApiPath::Manifest {
+            reference: Reference::Digest(d),
+            ..
+        } => exposed.contains(&digest_key(d)),
+        ApiPath::Manifest {
+            name,
+            reference: Reference::Tag(tag),
+        } => ns.is_some_and(|ns| exposed.contains(&tag_key(ns, name, tag))),
+        ApiPath::Upload { .. } | ApiPath::TagsList { .. } => false,
+    }
 }
 
 /// The upstream registry containerd is pulling from, from `?ns=`.

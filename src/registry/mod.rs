@@ -15,7 +15,10 @@ use axum::Router;
 
 use crate::config::Registries;
 use crate::metrics::Metrics;
+use crate::routing::sync::Exposed;
 use crate::store::ContentStore;
+use crate::trust::ClusterSecret;
+use tokio::sync::watch;
 
 pub use error::ApiError;
 pub use peer_fetch::PeerFetcher;
@@ -33,6 +36,16 @@ pub struct RegistryState {
     /// Other nodes, asked on a local miss. `None` on the peer address (local content only)
     /// and when peer-to-peer is off.
     pub peers: Option<Arc<PeerFetcher>>,
+    /// Set on the peer address only: who may ask, and what may be served to them.
+    pub guard: Option<PeerGuard>,
+}
+
+/// The peer address's rules: a valid token when the cluster has a secret, and only what this
+/// node advertises (so `--registries` and `--registry-filters` hold for serving too).
+#[derive(Debug, Clone)]
+pub struct PeerGuard {
+    pub secret: Option<ClusterSecret>,
+    pub exposed: watch::Receiver<Exposed>,
 }
 
 impl std::fmt::Debug for RegistryState {

@@ -18,18 +18,14 @@ use crate::metrics::{Metrics, ResultLabels, SourceLabels, StageLabels};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
 use crate::routing::{Peer, Router, digest_key, tag_key};
+use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
 
-/// A peer on the same LAN connects in well under a millisecond; one that takes longer than
-/// this is down or overloaded, and the next provider (or upstream) is the better bet.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
-/// From request to response headers. A local store answers in milliseconds.
-pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest silence allowed mid-body before the transfer moves to the next provider.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
 const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
-/// A peer that just failed is tried last for this long.
+/// A peer that just failed (unreachable, slow, cut off) is tried last for this long.
 const FAILED_PEER_BACKOFF: Duration = Duration::from_secs(30);
+/// A peer that served bytes not matching their digest is not asked at all for this long.
+const QUARANTINE: Duration = Duration::from_secs(600);
 /// Providers arriving this soon after the first are kept as failover candidates.
 const MORE_PROVIDERS_GRACE: Duration = Duration::from_millis(2);
 /// Manifest media types we accept from peers, most specific first.
@@ -50,16 +46,42 @@ pub struct PeerFetchConfig {
     pub resolve_timeout: Duration,
     /// Whether `latest` tags are resolved through peers (mutable: stale is worse than a miss).
     pub resolve_latest: bool,
+    /// Bound on the TCP connect to a peer.
+    pub connect_timeout: Duration,
+    /// Bound from sending a request to a peer's response headers.
+    pub first_byte_timeout: Duration,
+    /// Longest silence in a peer's body before moving to the next provider.
+    pub idle_timeout: Duration,
+    /// Blobs up to this size are fetched whole and verified before the first byte is served.
+    pub verify_before_serving: u64,
 }
+
+impl PeerFetchConfig {
+    /// The documented defaults (see `config/ferry.toml`), for tests and embedding.
+    pub fn with_resolve_timeout(resolve_timeout: Duration) -> Self {
+        PeerFetchConfig {
+            resolve_timeout,
+            resolve_latest: false,
+            connect_timeout: Duration::from_millis(500),
+            first_byte_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(5),
+            verify_before_serving: MAX_MANIFEST_BYTES,
+        }
+    }
+}
+
+/// Peers to skip: until when, per peer ID. Shared by the fetcher and the bodies it starts.
+type Skips = Arc<Mutex<HashMap<String, Instant>>>;
 
 pub struct PeerFetcher {
     router: Arc<dyn Router>,
     client: reqwest::Client,
     config: PeerFetchConfig,
+    secret: Option<ClusterSecret>,
     metrics: Arc<Metrics>,
     /// One owner each: the cache of recent lookups and the peers that failed recently.
     cache: Mutex<HashMap<String, (Instant, Vec<Peer>)>>,
-    failed: Arc<Mutex<HashMap<String, Instant>>>,
+    failed: Skips,
 }
 
 impl std::fmt::Debug for PeerFetcher {
@@ -71,9 +93,14 @@ impl std::fmt::Debug for PeerFetcher {
 }
 
 impl PeerFetcher {
-    pub fn new(router: Arc<dyn Router>, config: PeerFetchConfig, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        router: Arc<dyn Router>,
+        config: PeerFetchConfig,
+        secret: Option<ClusterSecret>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let client = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
+            .connect_timeout(config.connect_timeout)
             .tcp_nodelay(true)
             // Peers are addressed by IP on the node network; never through a proxy.
             .no_proxy()
@@ -83,38 +110,24 @@ impl PeerFetcher {
             router,
             client,
             config,
+            secret,
             metrics,
             cache: Mutex::new(HashMap::new()),
             failed: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
-    /// A blob (or one range of it) from the first provider that answers.
+    /// A blob (or one range of it) from the first provider that answers. Blobs up to
+    /// `verify_before_serving` are fetched whole and checked before the first byte is sent;
+    /// larger ones stream through, hashed on the way.
     pub async fn blob(&self, req: PeerRequest<'_>, digest: Digest) -> Option<Response> {
         let providers = self.providers(&digest_key(&digest)).await;
         let path = format!("/v2/{}/blobs/{digest}", req.name);
         let mut candidates = providers.into_iter();
         while let Some(peer) = candidates.next() {
-            let url = peer_url(&peer, &path, req.ns);
-            let mut request = if req.head {
-                self.client.head(&url)
-            } else {
-                self.client.get(&url)
-            };
-            request = request.header(HOP_HEADER, "1");
-            if let Some(range) = req.range {
-                request = request.header(header::RANGE, range);
-            }
-            let response = match tokio::time::timeout(RESPONSE_TIMEOUT, request.send()).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => {
-                    self.peer_failed(&peer, "connect", &e.to_string());
-                    continue;
-                }
-                Err(_) => {
-                    self.peer_failed(&peer, "connect", "no response in time");
-                    continue;
-                }
+            let method = if req.head { "HEAD" } else { "GET" };
+            let Some(response) = self.send(&peer, method, &path, req.ns, req.range).await else {
+                continue;
             };
             let status = response.status();
             if status == StatusCode::RANGE_NOT_SATISFIABLE {
@@ -134,6 +147,23 @@ impl PeerFetcher {
                 self.peer_failed(&peer, "status", "response without a usable length");
                 continue;
             };
+            if fetch.total <= self.config.verify_before_serving {
+                match self
+                    .verified_whole(&peer, response, &fetch, &path, req.ns)
+                    .await
+                {
+                    Ok(whole) => {
+                        let start = fetch.start as usize;
+                        let part = whole.slice(start..start + fetch.len as usize);
+                        self.count_peer_bytes("blob", part.len());
+                        return Some(fetch.response(Body::from(part)));
+                    }
+                    Err((stage, reason)) => {
+                        self.peer_failed(&peer, stage, &reason);
+                        continue;
+                    }
+                }
+            }
             let first = response.bytes_stream().boxed();
             let remaining: Vec<Peer> = candidates.collect();
             let body = ResumingBody::new(
@@ -158,6 +188,86 @@ impl PeerFetcher {
             return Some(fetch.response(Body::from_stream(counted)));
         }
         None
+    }
+
+    /// The whole blob from `peer`, checked against its digest. `response` is used when it
+    /// already carries the whole blob; for a range, the whole blob is asked for again.
+    async fn verified_whole(
+        &self,
+        peer: &Peer,
+        response: reqwest::Response,
+        fetch: &Fetch,
+        path: &str,
+        ns: Option<&str>,
+    ) -> Result<Bytes, (&'static str, String)> {
+        let response = if fetch.partial {
+            drop(response);
+            match self.send(peer, "GET", path, ns, None).await {
+                Some(r) if r.status() == StatusCode::OK => r,
+                Some(r) => return Err(("status", r.status().to_string())),
+                None => return Err(("connect", "no whole blob".into())),
+            }
+        } else {
+            response
+        };
+        let bytes = read_capped(response, fetch.total, self.config.idle_timeout).await?;
+        if bytes.len() as u64 != fetch.total {
+            return Err(("body", "body ended early".into()));
+        }
+        if !fetch.digest.matches(&bytes) {
+            tracing::error!(peer = %peer.id, addr = %peer.addr, digest = %fetch.digest, "peer served bytes that do not match their digest; quarantined");
+            return Err(("verify", "bytes do not match the digest".into()));
+        }
+        Ok(bytes)
+    }
+
+    /// One request to a peer, signed when the cluster has a secret. `None` (and the peer
+    /// marked as failed) when it cannot be sent or no headers come back in time.
+    async fn send(
+        &self,
+        peer: &Peer,
+        method: &str,
+        path: &str,
+        ns: Option<&str>,
+        range: Option<&str>,
+    ) -> Option<reqwest::Response> {
+        let target = path_and_query(path, ns);
+        let url = format!("http://{}{target}", peer.addr);
+        let mut request = match method {
+            "HEAD" => self.client.head(&url),
+            _ => self.client.get(&url),
+        };
+        request = request.header(HOP_HEADER, "1");
+        if let Some(secret) = &self.secret {
+            request = request.header(TOKEN_HEADER, token::sign(secret, method, &target));
+        }
+        if let Some(range) = range {
+            request = request.header(header::RANGE, range);
+        }
+        if path.contains("/manifests/") {
+            request = request.header(header::ACCEPT, MANIFEST_ACCEPT);
+        }
+        match tokio::time::timeout(self.config.first_byte_timeout, request.send()).await {
+            Ok(Ok(r)) => Some(r),
+            Ok(Err(e)) => {
+                self.peer_failed(peer, "connect", &e.to_string());
+                None
+            }
+            Err(_) => {
+                self.peer_failed(peer, "first_byte", "no response headers in time");
+                None
+            }
+        }
+    }
+
+    fn count_peer_bytes(&self, kind: &'static str, n: usize) {
+        self.metrics
+            .bytes_served
+            .get_or_create(&SourceLabels {
+                kind,
+                source: "peer",
+            })
+            .inc_by(n as u64);
     }
 
     /// A manifest from the first provider whose bytes match the digest (asked for, or the
@@ -212,23 +322,12 @@ impl PeerFetcher {
         ns: Option<&str>,
         reference: &Reference,
     ) -> Result<(String, Digest, Bytes), (&'static str, String)> {
-        let request = self
-            .client
-            .get(peer_url(peer, path, ns))
-            .header(HOP_HEADER, "1")
-            .header(header::ACCEPT, MANIFEST_ACCEPT);
-        let response = tokio::time::timeout(RESPONSE_TIMEOUT, request.send())
+        let response = self
+            .send(peer, "GET", path, ns, None)
             .await
-            .map_err(|_| ("connect", "no response in time".to_string()))?
-            .map_err(|e| ("connect", e.to_string()))?;
+            .ok_or(("connect", "no response".to_string()))?;
         if response.status() != StatusCode::OK {
             return Err(("status", response.status().to_string()));
-        }
-        if response
-            .content_length()
-            .is_some_and(|l| l > MAX_MANIFEST_BYTES)
-        {
-            return Err(("status", "manifest too large".into()));
         }
         let named = response
             .headers()
@@ -240,18 +339,7 @@ impl PeerFetcher {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
-        let mut bytes = Vec::new();
-        let mut stream = response.bytes_stream();
-        while let Some(chunk) = tokio::time::timeout(IDLE_TIMEOUT, stream.next())
-            .await
-            .map_err(|_| ("body", "stalled".to_string()))?
-        {
-            let chunk = chunk.map_err(|e| ("body", e.to_string()))?;
-            if (bytes.len() + chunk.len()) as u64 > MAX_MANIFEST_BYTES {
-                return Err(("body", "manifest too large".into()));
-            }
-            bytes.extend_from_slice(&chunk);
-        }
+        let bytes = read_capped(response, MAX_MANIFEST_BYTES, self.config.idle_timeout).await?;
         let digest = match reference {
             Reference::Digest(d) => d.clone(),
             Reference::Tag(_) => named.ok_or(("verify", "no Docker-Content-Digest".to_string()))?,
@@ -263,7 +351,7 @@ impl PeerFetcher {
             .filter(|t| is_manifest_media_type(t))
             .or_else(|| sniff_media_type(&bytes).map(str::to_string))
             .ok_or(("verify", "not a manifest".to_string()))?;
-        Ok((media_type, digest, Bytes::from(bytes)))
+        Ok((media_type, digest, bytes))
     }
 
     /// Providers of `key`: cached if recent, else from the router, waiting at most
@@ -329,8 +417,9 @@ impl PeerFetcher {
     fn resumer(&self, path: String, ns: Option<String>) -> Resumer {
         Resumer {
             client: self.client.clone(),
-            path,
-            ns,
+            target: path_and_query(&path, ns.as_deref()),
+            secret: self.secret.clone(),
+            timeouts: (self.config.first_byte_timeout, self.config.idle_timeout),
             metrics: self.metrics.clone(),
             failed: self.failed.clone(),
         }
@@ -341,10 +430,12 @@ impl PeerFetcher {
 #[derive(Clone)]
 pub(super) struct Resumer {
     client: reqwest::Client,
-    path: String,
-    ns: Option<String>,
+    target: String,
+    secret: Option<ClusterSecret>,
+    /// First byte, idle.
+    timeouts: (Duration, Duration),
     metrics: Arc<Metrics>,
-    failed: Arc<Mutex<HashMap<String, Instant>>>,
+    failed: Skips,
 }
 
 impl Resumer {
@@ -354,12 +445,15 @@ impl Resumer {
         start: u64,
         end: u64,
     ) -> Option<reqwest::Response> {
-        let request = self
+        let mut request = self
             .client
-            .get(peer_url(peer, &self.path, self.ns.as_deref()))
+            .get(format!("http://{}{}", peer.addr, self.target))
             .header(HOP_HEADER, "1")
             .header(header::RANGE, format!("bytes={start}-{end}"));
-        match tokio::time::timeout(RESPONSE_TIMEOUT, request.send()).await {
+        if let Some(secret) = &self.secret {
+            request = request.header(TOKEN_HEADER, token::sign(secret, "GET", &self.target));
+        }
+        match tokio::time::timeout(self.timeouts.0, request.send()).await {
             Ok(Ok(r)) if r.status() == StatusCode::PARTIAL_CONTENT => Some(r),
             Ok(Ok(r)) => {
                 self.failed(peer, "status", r.status().as_str());
@@ -370,10 +464,14 @@ impl Resumer {
                 None
             }
             Err(_) => {
-                self.failed(peer, "connect", "no response in time");
+                self.failed(peer, "first_byte", "no response headers in time");
                 None
             }
         }
+    }
+
+    pub(super) fn idle_timeout(&self) -> Duration {
+        self.timeouts.1
     }
 
     pub(super) fn failed(&self, peer: &Peer, stage: &'static str, reason: &str) {
@@ -381,9 +479,10 @@ impl Resumer {
     }
 }
 
+/// Marks `peer` to be skipped: quarantined after serving wrong bytes, tried last otherwise.
 fn record_failure(
     metrics: &Metrics,
-    failed: &Mutex<HashMap<String, Instant>>,
+    failed: &Skips,
     peer: &Peer,
     stage: &'static str,
     reason: &str,
@@ -393,18 +492,50 @@ fn record_failure(
         .peer_failures
         .get_or_create(&StageLabels { stage })
         .inc();
+    let skip = if stage == "verify" {
+        QUARANTINE
+    } else {
+        FAILED_PEER_BACKOFF
+    };
+    let now = Instant::now();
     let mut failed = failed.lock().unwrap_or_else(|e| e.into_inner());
-    failed.retain(|_, at| at.elapsed() < FAILED_PEER_BACKOFF);
-    failed.insert(peer.id.clone(), Instant::now());
+    failed.retain(|_, until| *until > now);
+    let until = failed.entry(peer.id.clone()).or_insert(now);
+    *until = (*until).max(now + skip);
 }
 
-fn peer_url(peer: &Peer, path: &str, ns: Option<&str>) -> String {
+/// Reads a body of at most `limit` bytes, each chunk within `idle`.
+async fn read_capped(
+    response: reqwest::Response,
+    limit: u64,
+    idle: Duration,
+) -> Result<Bytes, (&'static str, String)> {
+    if response.content_length().is_some_and(|l| l > limit) {
+        return Err(("body", "larger than announced".into()));
+    }
+    let mut bytes = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = tokio::time::timeout(idle, stream.next())
+        .await
+        .map_err(|_| ("body", "stalled".to_string()))?
+    {
+        let chunk = chunk.map_err(|e| ("body", e.to_string()))?;
+        if (bytes.len() + chunk.len()) as u64 > limit {
+            return Err(("body", "larger than announced".into()));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(bytes))
+}
+
+/// `<path>?ns=<registry>` as sent, and as signed.
+fn path_and_query(path: &str, ns: Option<&str>) -> String {
     match ns {
         Some(ns) => {
             let encoded: String = form_urlencoded::byte_serialize(ns.as_bytes()).collect();
-            format!("http://{}{path}?{}={encoded}", peer.addr, oci::NS_PARAM)
+            format!("{path}?{}={encoded}", oci::NS_PARAM)
         }
-        None => format!("http://{}{path}", peer.addr),
+        None => path.to_string(),
     }
 }
 

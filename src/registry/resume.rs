@@ -9,7 +9,7 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 
-use super::peer_fetch::{IDLE_TIMEOUT, Resumer};
+use super::peer_fetch::Resumer;
 use crate::oci::Digest;
 use crate::oci::digest::Hasher;
 use crate::routing::Peer;
@@ -106,7 +106,12 @@ impl ResumingBody {
             if self.sent == self.fetch.len {
                 return self.finish().map(|()| None);
             }
-            let failure = match tokio::time::timeout(IDLE_TIMEOUT, self.current.next()).await {
+            let failure = match tokio::time::timeout(
+                self.resumer.idle_timeout(),
+                self.current.next(),
+            )
+            .await
+            {
                 Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
                 Ok(Some(Ok(chunk))) => {
                     // Never more than was announced, whatever a peer sends.

@@ -54,6 +54,7 @@ async fn call(
         registries,
         metrics: f.metrics.clone(),
         peers: None,
+        guard: None,
     });
     let request = Request::builder()
         .method(method)

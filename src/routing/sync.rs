@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde::Deserialize;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{Router, digest_key, tag_key};
-use crate::config::Registries;
+use crate::config::{Registries, RegistryFilters};
 use crate::metrics::Metrics;
 use crate::oci::Digest;
 use crate::oci::manifest::MAX_MANIFEST_BYTES;
@@ -29,8 +30,19 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct SyncConfig {
     pub registries: Registries,
+    /// Which images are shared with peers at all.
+    pub filters: RegistryFilters,
     /// Full reconcile interval, whatever the events say.
     pub interval: Duration,
+}
+
+/// The keys this node advertises, published by the sync task (their one owner) for the peer
+/// address, which serves exactly these and nothing else.
+pub type Exposed = Arc<BTreeSet<String>>;
+
+/// A channel for [`Exposed`]: the sender goes to [`run`], receivers to the peer listener.
+pub fn exposure() -> (watch::Sender<Exposed>, watch::Receiver<Exposed>) {
+    watch::channel(Arc::new(BTreeSet::new()))
 }
 
 /// Runs until `token` is cancelled.
@@ -39,8 +51,16 @@ pub async fn run(
     router: Arc<dyn Router>,
     config: SyncConfig,
     metrics: Arc<Metrics>,
+    exposed: watch::Sender<Exposed>,
     token: CancellationToken,
 ) {
+    let sync = Sync {
+        store: &*store,
+        router: &*router,
+        config: &config,
+        metrics: &metrics,
+        exposed: &exposed,
+    };
     let mut advertised = BTreeSet::new();
     let mut retry = RETRY_MIN;
     loop {
@@ -54,14 +74,7 @@ pub async fn run(
                 None
             }
         };
-        reconcile(
-            &*store,
-            &*router,
-            &config.registries,
-            &mut advertised,
-            &metrics,
-        )
-        .await;
+        sync.reconcile(&mut advertised).await;
         let Some(mut changes) = changes else {
             tokio::select! {
                 _ = token.cancelled() => return,
@@ -75,7 +88,7 @@ pub async fn run(
         loop {
             tokio::select! {
                 _ = token.cancelled() => return,
-                _ = tick.tick() => reconcile(&*store, &*router, &config.registries, &mut advertised, &metrics).await,
+                _ = tick.tick() => sync.reconcile(&mut advertised).await,
                 event = changes.next() => {
                     if event.is_none() {
                         tracing::debug!("store events ended; reconnecting");
@@ -86,42 +99,54 @@ pub async fn run(
                         while changes.next().await.is_some() {}
                     })
                     .await;
-                    reconcile(&*store, &*router, &config.registries, &mut advertised, &metrics).await;
+                    sync.reconcile(&mut advertised).await;
                 }
             }
         }
     }
 }
 
-/// Makes the router's view match the store: advertise new keys, withdraw gone ones. If the
-/// store cannot be walked (containerd down), nothing changes: records expire on their own.
-async fn reconcile(
-    store: &dyn ContentStore,
-    router: &dyn Router,
-    registries: &Registries,
-    advertised: &mut BTreeSet<String>,
-    metrics: &Metrics,
-) {
-    let Ok(images) = store.images().await else {
-        return;
-    };
-    let keys = inventory(store, &images, registries).await;
-    let added: Vec<String> = keys.difference(advertised).cloned().collect();
-    let removed: Vec<String> = advertised.difference(&keys).cloned().collect();
-    if !removed.is_empty() {
-        tracing::debug!(count = removed.len(), "withdrawing keys");
-        if let Err(e) = router.withdraw(removed).await {
-            tracing::warn!(error = %e, "withdraw failed");
+struct Sync<'a> {
+    store: &'a dyn ContentStore,
+    router: &'a dyn Router,
+    config: &'a SyncConfig,
+    metrics: &'a Metrics,
+    exposed: &'a watch::Sender<Exposed>,
+}
+
+impl Sync<'_> {
+    /// Makes the router's view match the store: advertise new keys, withdraw gone ones. If the
+    /// store cannot be walked (containerd down), nothing changes: records expire on their own.
+    async fn reconcile(&self, advertised: &mut BTreeSet<String>) {
+        let Ok(images) = self.store.images().await else {
+            return;
+        };
+        let keys = inventory(
+            self.store,
+            &images,
+            &self.config.registries,
+            &self.config.filters,
+        )
+        .await;
+        let added: Vec<String> = keys.difference(advertised).cloned().collect();
+        let removed: Vec<String> = advertised.difference(&keys).cloned().collect();
+        // Withdrawn keys stop being served before anything else happens.
+        self.exposed.send_replace(Arc::new(keys.clone()));
+        if !removed.is_empty() {
+            tracing::debug!(count = removed.len(), "withdrawing keys");
+            if let Err(e) = self.router.withdraw(removed).await {
+                tracing::warn!(error = %e, "withdraw failed");
+            }
         }
-    }
-    if !added.is_empty() {
-        tracing::debug!(count = added.len(), "advertising keys");
-        if let Err(e) = router.advertise(added).await {
-            tracing::warn!(error = %e, "advertise failed");
+        if !added.is_empty() {
+            tracing::debug!(count = added.len(), "advertising keys");
+            if let Err(e) = self.router.advertise(added).await {
+                tracing::warn!(error = %e, "advertise failed");
+            }
         }
+        *advertised = keys;
+        self.metrics.keys_advertised.set(advertised.len() as i64);
     }
-    *advertised = keys;
-    metrics.keys_advertised.set(advertised.len() as i64);
 }
 
 /// Every key the store can serve for images of mirrored registries: each tag, and every
@@ -130,6 +155,7 @@ pub async fn inventory(
     store: &dyn ContentStore,
     images: &[ImageRecord],
     registries: &Registries,
+    filters: &RegistryFilters,
 ) -> BTreeSet<String> {
     let mut keys = BTreeSet::new();
     let mut visited = BTreeSet::new();
@@ -137,7 +163,11 @@ pub async fn inventory(
         let Some(name) = ImageName::parse(&image.name) else {
             continue;
         };
-        if !registries.includes(&name.registry) {
+        let shown = image
+            .name
+            .split_once('@')
+            .map_or(image.name.as_str(), |(n, _)| n);
+        if !registries.includes(&name.registry) || !filters.allows(shown) {
             continue;
         }
         let mut present = walk(store, &image.target.digest, &mut visited, &mut keys).await;
@@ -291,7 +321,13 @@ mod tests {
         let store = MemoryStore::new();
         let (index, manifest, config, layer) = image(&store);
         let images = store.images().await.unwrap();
-        let keys = inventory(&store, &images, &Registries::All).await;
+        let keys = inventory(
+            &store,
+            &images,
+            &Registries::All,
+            &RegistryFilters::default(),
+        )
+        .await;
         let expected: BTreeSet<String> = [
             index.to_string(),
             manifest.to_string(),
@@ -302,7 +338,17 @@ mod tests {
         .into();
         assert_eq!(keys, expected);
         let only_ghcr = Registries::Only(vec!["ghcr.io".into()]);
-        assert!(inventory(&store, &images, &only_ghcr).await.is_empty());
+        assert!(
+            inventory(&store, &images, &only_ghcr, &RegistryFilters::default())
+                .await
+                .is_empty()
+        );
+        let private = RegistryFilters::parse("!docker\\.io/library/.*").unwrap();
+        assert!(
+            inventory(&store, &images, &Registries::All, &private)
+                .await
+                .is_empty()
+        );
     }
 
     #[tokio::test]
@@ -321,13 +367,16 @@ mod tests {
         let metrics = Arc::new(Metrics::new());
         let config = SyncConfig {
             registries: Registries::All,
+            filters: RegistryFilters::default(),
             interval: Duration::from_secs(3600),
         };
+        let (exposed_tx, exposed) = exposure();
         let task = tokio::spawn(run(
             store.clone(),
             Arc::new(me),
             config,
             metrics.clone(),
+            exposed_tx,
             token.clone(),
         ));
 
@@ -348,6 +397,10 @@ mod tests {
         );
         assert!(found("docker.io/library/app:1.0".into()).await);
         assert_eq!(metrics.keys_advertised.get(), 5);
+        assert!(
+            exposed.borrow().contains(&layer.to_string()),
+            "what is advertised is exposed"
+        );
 
         store.remove(&layer);
         store.untag("docker.io", "library/app", "1.0");
@@ -364,6 +417,10 @@ mod tests {
         assert!(
             !found("docker.io/library/app:1.0".into()).await,
             "deleted tag is withdrawn"
+        );
+        assert!(
+            !exposed.borrow().contains(&layer.to_string()),
+            "and no longer served to peers"
         );
         token.cancel();
         task.await.unwrap();

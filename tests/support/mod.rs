@@ -472,8 +472,11 @@ impl Ferry {
         let mut cmd = Self::command(dir, containerd, mirror, metrics);
         cmd.args(extra);
         let proc = Proc::spawn(cmd, dir.join("ferry.log"));
+        // The ops address is bound after the mirror and the hosts.toml entries: once it
+        // answers, both are in place.
         wait_for("ferry to listen", || {
             std::net::TcpStream::connect(mirror).is_ok()
+                && std::net::TcpStream::connect(metrics).is_ok()
         });
         Ferry {
             mirror,

@@ -11,7 +11,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use libp2p::{PeerId, SwarmBuilder, noise, tcp, yamux};
+use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::core::transport::Boxed;
+use libp2p::core::upgrade::Version;
+use libp2p::identity::Keypair;
+use libp2p::pnet::{PnetConfig, PreSharedKey};
+use libp2p::{PeerId, SwarmBuilder, Transport, noise, tcp, yamux};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -42,6 +47,8 @@ pub struct P2pConfig {
     /// This node's HTTP peer address, announced through identify.
     pub peer_http_addr: SocketAddr,
     pub timing: ProvideTiming,
+    /// The private-network key (from the cluster secret): nodes without it cannot connect.
+    pub psk: Option<[u8; 32]>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -99,20 +106,36 @@ impl P2pRouter {
         let key = identity::load_or_create(&config.data_dir)?;
         let peer_http_addr = config.peer_http_addr;
         let timing = config.timing;
-        let mut swarm = SwarmBuilder::with_existing_identity(key)
-            .with_tokio()
-            .with_tcp(
-                tcp::Config::default().nodelay(true),
-                noise::Config::new,
-                yamux::Config::default,
-            )
-            .map_err(|e| P2pError::Transport(e.to_string()))?
-            .with_dns()
-            .map_err(|e| P2pError::Transport(e.to_string()))?
-            .with_behaviour(|key| behaviour::Behaviour::new(key, peer_http_addr, timing))
-            .map_err(|e| P2pError::Transport(e.to_string()))?
-            .with_swarm_config(|c| c.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT))
-            .build();
+        let behaviour = move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing);
+        let transport_err = |e: &dyn std::fmt::Display| P2pError::Transport(e.to_string());
+        let mut swarm = match config.psk {
+            // A private network: the pre-shared-key handshake runs before anything else, so a
+            // node without the key cannot even start noise, let alone reach Kademlia.
+            Some(psk) => SwarmBuilder::with_existing_identity(key)
+                .with_tokio()
+                .with_other_transport(|key| private_transport(key, psk))
+                .map_err(|e| transport_err(&e))?
+                .with_dns()
+                .map_err(|e| transport_err(&e))?
+                .with_behaviour(behaviour)
+                .map_err(|e| transport_err(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT))
+                .build(),
+            None => SwarmBuilder::with_existing_identity(key)
+                .with_tokio()
+                .with_tcp(
+                    tcp::Config::default().nodelay(true),
+                    noise::Config::new,
+                    yamux::Config::default,
+                )
+                .map_err(|e| transport_err(&e))?
+                .with_dns()
+                .map_err(|e| transport_err(&e))?
+                .with_behaviour(behaviour)
+                .map_err(|e| transport_err(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT))
+                .build(),
+        };
         let listen = tcp_multiaddr(config.listen.ip(), config.listen.port());
         swarm.listen_on(listen).map_err(|e| P2pError::Listen {
             addr: config.listen,
@@ -154,6 +177,24 @@ impl P2pRouter {
             .await
             .map_err(|_| RouterError::Stopped)
     }
+}
+
+/// TCP, then the private-network handshake, then noise and yamux.
+fn private_transport(
+    key: &Keypair,
+    psk: [u8; 32],
+) -> Result<Boxed<(PeerId, StreamMuxerBox)>, Box<dyn std::error::Error + Send + Sync>> {
+    let noise = noise::Config::new(key)?;
+    let psk = PreSharedKey::new(psk);
+    Ok(
+        tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+            .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
+            .upgrade(Version::V1Lazy)
+            .authenticate(noise)
+            .multiplex(yamux::Config::default())
+            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+            .boxed(),
+    )
 }
 
 #[async_trait::async_trait]

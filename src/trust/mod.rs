@@ -1,0 +1,8 @@
+//! Who may talk to Ferry: the cluster secret, the private-network key derived from it, and
+//! the short-lived request tokens peers sign with it.
+
+pub mod secret;
+pub mod token;
+
+pub use secret::{ClusterSecret, SecretError};
+pub use token::{TOKEN_HEADER, TOKEN_VALIDITY, TokenError};
