@@ -282,6 +282,7 @@ pub async fn serve(
             *fetch,
             secret.clone(),
             metrics.clone(),
+            store.clone(),
         ))
     });
     let (exposed_tx, exposed) = sync::exposure();

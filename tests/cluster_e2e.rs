@@ -8,93 +8,14 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::time::Duration;
 
+use support::cluster::{Node, P2P_PORT};
 use support::netns::Net;
 use support::*;
 
 const LAYERS: usize = 3;
 const LAYER_BYTES: usize = 4 * 1024 * 1024;
-const P2P_PORT: u16 = 5482;
-const METRICS_PORT: u16 = 5483;
-
-struct Node {
-    ip: std::net::Ipv4Addr,
-    containerd: Containerd,
-    ferry: Proc,
-}
-
-impl Node {
-    fn start(
-        net: &mut Net,
-        dir: &Path,
-        name: &str,
-        host: u8,
-        registry: SocketAddr,
-        bootstrap: Option<std::net::Ipv4Addr>,
-    ) -> Node {
-        let ns = net.add_host(name, host);
-        let ip = net.host_ip(host);
-        let containerd = Containerd::start_in(&dir.join(name), Some(&ns));
-        // The operator's own config for the plain-HTTP upstream, which Ferry merges into.
-        let own = containerd.hosts_dir.join(registry.to_string());
-        std::fs::create_dir_all(&own).unwrap();
-        std::fs::write(
-            own.join("hosts.toml"),
-            format!("server = \"http://{registry}\"\n\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
-        )
-        .unwrap();
-        let node_dir = dir.join(name);
-        let mirror: SocketAddr = "127.0.0.1:5480".parse().unwrap();
-        let metrics = SocketAddr::new(ip.into(), METRICS_PORT);
-        let mut cmd = Ferry::command(&node_dir, &containerd, mirror, metrics);
-        cmd.args(["--advertise-addr", &ip.to_string()])
-            // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
-            .args(["--resolve-timeout", "1s"]);
-        if let Some(seed) = bootstrap {
-            cmd.args(["--bootstrap-peers", &format!("{seed}:{P2P_PORT}")]);
-        }
-        let ferry = Proc::spawn(cmd, node_dir.join("ferry.log"));
-        let node = Node {
-            ip,
-            containerd,
-            ferry,
-        };
-        wait_for("ferry ready in its namespace", || {
-            node.metrics().contains("ferry_containerd_up 1")
-        });
-        node
-    }
-
-    fn metrics(&self) -> String {
-        let url = format!("http://{}:{METRICS_PORT}/metrics", self.ip);
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async { reqwest::get(&url).await.ok()?.text().await.ok() })
-            .unwrap_or_default()
-    }
-
-    fn metric(&self, prefix: &str) -> u64 {
-        self.metrics()
-            .lines()
-            .find(|l| l.starts_with(prefix))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    }
-
-    fn image_digest(&self, reference: &str) -> String {
-        let out = self.containerd.ctr(&["-n", "k8s.io", "images", "ls"]);
-        out.lines()
-            .find(|l| l.starts_with(reference))
-            .and_then(|l| l.split_whitespace().nth(2))
-            .unwrap_or_default()
-            .to_string()
-    }
-}
 
 #[test]
 fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going_away() {
@@ -109,9 +30,24 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     image.push(registry_addr, "team/app");
     let reference = format!("{registry_addr}/team/app:v1");
 
-    let mut node1 = Node::start(&mut net, dir, "n1", 11, registry_addr, None);
-    let node2 = Node::start(&mut net, dir, "n2", 12, registry_addr, Some(node1.ip));
-    let node3 = Node::start(&mut net, dir, "n3", 13, registry_addr, Some(node1.ip));
+    let mut node1 = Node::start(&mut net, dir, "n1", 11, registry_addr, &[]);
+    let seed = format!("{}:{P2P_PORT}", node1.ip);
+    let node2 = Node::start(
+        &mut net,
+        dir,
+        "n2",
+        12,
+        registry_addr,
+        &["--bootstrap-peers", &seed],
+    );
+    let node3 = Node::start(
+        &mut net,
+        dir,
+        "n3",
+        13,
+        registry_addr,
+        &["--bootstrap-peers", &seed],
+    );
     wait_for("nodes 2 and 3 connected to node 1", || {
         node1.metric("ferry_peers_connected") >= 2
     });

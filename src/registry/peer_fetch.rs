@@ -18,6 +18,7 @@ use crate::metrics::{Metrics, ResultLabels, SourceLabels, StageLabels};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
 use crate::routing::{Peer, Router, digest_key, tag_key};
+use crate::store::ContentStore;
 use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
 
 /// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
@@ -79,6 +80,8 @@ pub struct PeerFetcher {
     config: PeerFetchConfig,
     secret: Option<ClusterSecret>,
     metrics: Arc<Metrics>,
+    /// This node's store, to drop what a lying peer left in containerd's partial downloads.
+    store: Arc<dyn ContentStore>,
     /// One owner each: the cache of recent lookups and the peers that failed recently.
     cache: Mutex<HashMap<String, (Instant, Vec<Peer>)>>,
     failed: Skips,
@@ -98,6 +101,7 @@ impl PeerFetcher {
         config: PeerFetchConfig,
         secret: Option<ClusterSecret>,
         metrics: Arc<Metrics>,
+        store: Arc<dyn ContentStore>,
     ) -> Self {
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
@@ -112,6 +116,7 @@ impl PeerFetcher {
             config,
             secret,
             metrics,
+            store,
             cache: Mutex::new(HashMap::new()),
             failed: Arc::new(Mutex::new(HashMap::new())),
         }
@@ -125,6 +130,10 @@ impl PeerFetcher {
         let path = format!("/v2/{}/blobs/{digest}", req.name);
         let mut candidates = providers.into_iter();
         while let Some(peer) = candidates.next() {
+            // The list may predate a verification failure seen by another request.
+            if quarantined(&self.failed, &peer) {
+                continue;
+            }
             let method = if req.head { "HEAD" } else { "GET" };
             let Some(response) = self.send(&peer, method, &path, req.ns, req.range).await else {
                 continue;
@@ -422,6 +431,7 @@ impl PeerFetcher {
             timeouts: (self.config.first_byte_timeout, self.config.idle_timeout),
             metrics: self.metrics.clone(),
             failed: self.failed.clone(),
+            store: self.store.clone(),
         }
     }
 }
@@ -436,9 +446,43 @@ pub(super) struct Resumer {
     timeouts: (Duration, Duration),
     metrics: Arc<Metrics>,
     failed: Skips,
+    store: Arc<dyn ContentStore>,
 }
 
+/// containerd retries a broken transfer itself (with a Range, on the same or the next host)
+/// and may reopen its partial download after we drop it: drop it again a little later.
+const DISCARD_PARTIAL_AFTER: [Duration; 3] = [
+    Duration::ZERO,
+    Duration::from_secs(1),
+    Duration::from_secs(3),
+];
+
 impl Resumer {
+    /// Bytes that did not match were streamed to this node's containerd: drop its partial
+    /// download of `digest`, so the next attempt starts from zero instead of on top of them.
+    pub(super) fn discard_partial(&self, digest: &Digest) {
+        let store = self.store.clone();
+        let digest = digest.clone();
+        tokio::spawn(async move {
+            for delay in DISCARD_PARTIAL_AFTER {
+                tokio::time::sleep(delay).await;
+                match store.discard_partial(&digest).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::warn!(%digest, partial_downloads = n, "dropped containerd's partial download of a corrupt blob")
+                    }
+                    Err(e) => {
+                        tracing::warn!(%digest, error = %e, "cannot drop containerd's partial download")
+                    }
+                }
+            }
+        });
+    }
+
+    pub(super) fn quarantined(&self, peer: &Peer) -> bool {
+        quarantined(&self.failed, peer)
+    }
+
     pub(super) async fn request(
         &self,
         peer: &Peer,
@@ -477,6 +521,14 @@ impl Resumer {
     pub(super) fn failed(&self, peer: &Peer, stage: &'static str, reason: &str) {
         record_failure(&self.metrics, &self.failed, peer, stage, reason);
     }
+}
+
+/// Is `peer` quarantined (it served bytes that did not match) right now?
+fn quarantined(failed: &Skips, peer: &Peer) -> bool {
+    let skips = failed.lock().unwrap_or_else(|e| e.into_inner());
+    skips
+        .get(&peer.id)
+        .is_some_and(|until| *until > Instant::now() + FAILED_PEER_BACKOFF)
 }
 
 /// Marks `peer` to be skipped: quarantined after serving wrong bytes, tried last otherwise.

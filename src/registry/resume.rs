@@ -1,7 +1,8 @@
 //! A blob body fed by peers: streams the first provider's bytes through and, if that peer
 //! fails, stalls or ends early, asks the next provider for the rest with a `Range` from the
-//! byte offset already sent. A whole blob is hashed on the way and an error (a reset
-//! connection, never a clean end) is what containerd sees if the bytes do not match.
+//! byte offset already sent. A whole blob is hashed on the way, and its last chunk is only
+//! sent once the digest matches: otherwise containerd sees a body cut short (a reset
+//! connection), never a complete body with wrong bytes.
 
 use std::collections::VecDeque;
 
@@ -125,6 +126,12 @@ impl ResumingBody {
                     if let Some(h) = self.hasher.as_mut() {
                         h.update(&chunk);
                     }
+                    // The last chunk is held back until the whole blob checks out: once every
+                    // announced byte is sent the client has a complete body, and a reset after
+                    // that would come too late.
+                    if self.sent == self.fetch.len {
+                        self.finish()?;
+                    }
                     return Ok(Some(chunk));
                 }
                 Ok(Some(Err(e))) => e.to_string(),
@@ -141,6 +148,9 @@ impl ResumingBody {
         let from = self.fetch.start + self.sent;
         let to = self.fetch.start + self.fetch.len - 1;
         while let Some(next) = self.remaining.pop_front() {
+            if self.resumer.quarantined(&next) {
+                continue;
+            }
             let Some(response) = self.resumer.request(&next, from, to).await else {
                 continue;
             };
@@ -174,6 +184,7 @@ impl ResumingBody {
         }
         self.resumer
             .failed(&self.peer, "verify", "bytes do not match the digest");
+        self.resumer.discard_partial(&self.fetch.digest);
         tracing::error!(digest = %self.fetch.digest, "blob from peers does not match its digest; transfer aborted");
         Err(std::io::Error::other("digest mismatch"))
     }

@@ -166,6 +166,11 @@ impl ContentStore for MemoryStore {
         Ok(images)
     }
 
+    async fn discard_partial(&self, _digest: &Digest) -> Result<usize, StoreError> {
+        // Writes are whole here: there are no partial downloads.
+        Ok(0)
+    }
+
     async fn changes(&self) -> Result<ChangeStream, StoreError> {
         let stream = BroadcastStream::new(self.changes.subscribe()).map(|_| ());
         Ok(Box::pin(stream))

@@ -6,6 +6,7 @@
 //! never pass by skipping.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod netns;
 
 use std::net::{SocketAddr, TcpListener};
@@ -298,8 +299,21 @@ impl Registry {
         Registry { addr, proc }
     }
 
-    /// `(remote address, method, URI)` of every request the registry has answered.
+    /// `(remote address, method, URI)` of every request the registry has answered, once its
+    /// log has stopped growing: it logs a request just after the client has its response.
     pub fn requests(&self) -> Vec<(String, String, String)> {
+        let mut last = self.requests_now();
+        loop {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = self.requests_now();
+            if now.len() == last.len() {
+                return now;
+            }
+            last = now;
+        }
+    }
+
+    fn requests_now(&self) -> Vec<(String, String, String)> {
         let field = |line: &str, name: &str| {
             line.split(&format!("{name}=\""))
                 .nth(1)

@@ -39,9 +39,12 @@ pub fn require_root() {
 impl Net {
     pub fn new() -> Net {
         require_root();
+        // Unique per process and per network within it, so parallel tests never collide.
+        static COUNT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
-        let tag = format!("{:x}", pid % 0xfffff);
-        let octet = 100 + (pid % 100) as u8;
+        let tag = format!("{:x}{n}", pid % 0xffff);
+        let octet = 100 + ((pid * 7 + n * 13) % 150) as u8;
         let net = Net {
             bridge: format!("fb{tag}"),
             namespaces: Vec::new(),

@@ -12,7 +12,8 @@ use containerd_client::services::v1::events_client::EventsClient;
 use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::services::v1::version_client::VersionClient;
 use containerd_client::services::v1::{
-    GetImageRequest, InfoRequest, ListImagesRequest, ReadContentRequest, SubscribeRequest,
+    AbortRequest, GetImageRequest, InfoRequest, ListImagesRequest, ListStatusesRequest,
+    ReadContentRequest, SubscribeRequest,
 };
 use containerd_client::tonic::transport::Channel;
 use containerd_client::tonic::{Code, Request, Status};
@@ -181,6 +182,33 @@ impl ContentStore for ContainerdStore {
                 })
             })
             .collect())
+    }
+
+    async fn discard_partial(&self, digest: &Digest) -> Result<usize, StoreError> {
+        let mut client = ContentClient::new(self.channel.clone());
+        let statuses = client
+            .list_statuses(self.request(ListStatusesRequest {
+                filters: Vec::new(),
+            }))
+            .await
+            .map_err(status_error)?
+            .into_inner()
+            .statuses;
+        let expected = digest.to_string();
+        let mut aborted = 0;
+        for status in statuses.into_iter().filter(|s| s.expected == expected) {
+            match client
+                .abort(self.request(AbortRequest {
+                    r#ref: status.r#ref.clone(),
+                }))
+                .await
+            {
+                Ok(_) => aborted += 1,
+                Err(e) if e.code() == Code::NotFound => {}
+                Err(e) => return Err(status_error(e)),
+            }
+        }
+        Ok(aborted)
     }
 
     async fn changes(&self) -> Result<ChangeStream, StoreError> {

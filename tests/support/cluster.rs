@@ -1,0 +1,156 @@
+//! A node of a test cluster: its own network namespace, containerd and `ferry run`.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use super::netns::Net;
+use super::{Containerd, Ferry, Proc, wait_for};
+
+pub const P2P_PORT: u16 = 5482;
+pub const PEER_PORT: u16 = 5481;
+pub const METRICS_PORT: u16 = 5483;
+
+#[derive(Debug)]
+pub struct Node {
+    pub name: String,
+    pub ns: String,
+    pub ip: Ipv4Addr,
+    pub dir: PathBuf,
+    pub containerd: Containerd,
+    pub ferry: Proc,
+    args: Vec<String>,
+}
+
+impl Node {
+    /// A node whose hosts dir already has the operator's entry for the plain-HTTP `registry`.
+    pub fn start(
+        net: &mut Net,
+        dir: &Path,
+        name: &str,
+        host: u8,
+        registry: SocketAddr,
+        args: &[&str],
+    ) -> Node {
+        let ns = net.add_host(name, host);
+        let ip = net.host_ip(host);
+        let node_dir = dir.join(name);
+        let containerd = Containerd::start_in(&node_dir, Some(&ns));
+        let own = containerd.hosts_dir.join(registry.to_string());
+        std::fs::create_dir_all(&own).expect("hosts dir");
+        std::fs::write(
+            own.join("hosts.toml"),
+            format!("server = \"http://{registry}\"\n\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+        )
+        .expect("operator hosts.toml");
+        let mut node = Node {
+            name: name.to_string(),
+            ns,
+            ip,
+            dir: node_dir,
+            containerd,
+            ferry: Proc {
+                child: None,
+                log: PathBuf::new(),
+            },
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        node.start_ferry();
+        node
+    }
+
+    /// (Re)starts this node's Ferry and waits until it answers.
+    pub fn start_ferry(&mut self) {
+        self.ferry.stop();
+        let mirror: SocketAddr = "127.0.0.1:5480".parse().expect("addr");
+        let metrics = SocketAddr::new(self.ip.into(), METRICS_PORT);
+        let mut cmd = Ferry::command(&self.dir, &self.containerd, mirror, metrics);
+        cmd.args(["--advertise-addr", &self.ip.to_string()])
+            // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
+            .args(["--resolve-timeout", "1s"])
+            .args(&self.args);
+        let log = self.dir.join(format!("ferry-{}.log", std::process::id()));
+        self.ferry = Proc::spawn(cmd, log);
+        wait_for("ferry to answer in its namespace", || {
+            self.metrics().contains("ferry_hosts_config_written 1")
+        });
+    }
+
+    pub fn metrics(&self) -> String {
+        let url = format!("http://{}:{METRICS_PORT}/metrics", self.ip);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async { reqwest::get(&url).await.ok()?.text().await.ok() })
+            .unwrap_or_default()
+    }
+
+    pub fn metric(&self, prefix: &str) -> u64 {
+        self.metrics()
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    pub fn image_digest(&self, reference: &str) -> String {
+        let out = self.containerd.ctr(&["-n", "k8s.io", "images", "ls"]);
+        out.lines()
+            .find(|l| l.starts_with(reference))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// `ctr images pull` in the node's namespace: `Ok(output)` or `Err(output)`.
+    pub fn try_pull(&self, reference: &str) -> Result<String, String> {
+        let out = super::in_netns(Some(&self.ns), "ctr")
+            .arg("--address")
+            .arg(&self.containerd.socket)
+            .args(["-n", "k8s.io", "images", "pull", "--hosts-dir"])
+            .arg(&self.containerd.hosts_dir)
+            .arg(reference)
+            .output()
+            .expect("run ctr");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if out.status.success() {
+            Ok(text)
+        } else {
+            Err(text)
+        }
+    }
+
+    /// Removes the image and its content, as if never pulled (containerd's garbage collector
+    /// does not reliably collect content right away, so it is deleted by digest).
+    pub fn forget(&self, reference: &str, digests: &[String]) {
+        self.containerd
+            .ctr(&["-n", "k8s.io", "images", "rm", "--sync", reference]);
+        let mut args = vec!["-n", "k8s.io", "content", "rm"];
+        args.extend(digests.iter().map(String::as_str));
+        // Already collected digests make `content rm` complain; what matters is they are gone.
+        let _ = std::process::Command::new("ctr")
+            .arg("--address")
+            .arg(&self.containerd.socket)
+            .args(&args)
+            .output();
+        let left = self
+            .containerd
+            .ctr(&["-n", "k8s.io", "content", "ls", "-q"]);
+        for d in digests {
+            assert!(
+                !left.contains(d.as_str()),
+                "{}: {d} still in the content store",
+                self.name
+            );
+        }
+    }
+
+    pub fn peer_url(&self, path: &str) -> String {
+        format!("http://{}:{PEER_PORT}{path}", self.ip)
+    }
+}
