@@ -20,6 +20,7 @@ use std::net::IpAddr;
 
 use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
 use crate::containerd_config::{self, Action, Outcome, preflight};
+use crate::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
 use crate::metrics::Metrics;
 use crate::ops::{self, Readiness};
 use crate::registry::peer_fetch::PeerFetchConfig;
@@ -392,6 +393,10 @@ fn spawn_server(
     router: axum::Router,
 ) {
     let stop = token.clone();
+    let listener = LimitedListener::new(listener, MAX_CONNECTIONS);
+    let router = router.layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+        MAX_IN_FLIGHT,
+    ));
     tracker.spawn(async move {
         let server = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned());
         if let Err(e) = server.await {

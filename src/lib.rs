@@ -15,12 +15,14 @@
 //! - [`registry`]: the axum handlers of the mirror and peer addresses, peer fetch.
 //! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`limits`]: connection and in-flight request bounds on the listeners.
 //! - [`metrics`]: every metric family in one place.
 
 pub mod app;
 pub mod cli;
 pub mod config;
 pub mod containerd_config;
+pub mod limits;
 pub mod metrics;
 pub mod oci;
 pub mod ops;

@@ -486,3 +486,60 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
     assert_eq!(ferry.proc.wait(Duration::from_secs(15)), Some(0));
     assert!(ferry.hosts_dir.join("_default/hosts.toml").exists());
 }
+
+/// Peak resident memory of a process, from /proc.
+fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn two_hundred_concurrent_blob_requests_all_succeed_in_bounded_memory() {
+    let w = World::with_layers(2, 1024 * 1024);
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).unwrap();
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
+    wait_for("ferry /readyz", || ferry.ready());
+    let idle_kib = peak_rss_kib(ferry.proc.pid());
+
+    const REQUESTS: usize = 200;
+    let urls: Vec<(String, String)> = (0..REQUESTS)
+        .map(|i| {
+            let digest = w.image.layers[i % 2].clone();
+            (ferry.url(&format!("/v2/team/app/blobs/{digest}")), digest)
+        })
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let results: Vec<(u16, String)> = rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+        let all = urls.iter().map(|(url, _)| {
+            let client = client.clone();
+            async move {
+                let r = client.get(url).send().await.unwrap();
+                let status = r.status().as_u16();
+                let body = r.bytes().await.unwrap();
+                (status, sha256_hex(&body))
+            }
+        });
+        futures::future::join_all(all).await
+    });
+    for ((status, got), (_, want)) in results.iter().zip(&urls) {
+        assert_eq!((*status, got), (200, want));
+    }
+    let peak_kib = peak_rss_kib(ferry.proc.pid());
+    eprintln!(
+        "ferry peak RSS: {} KiB idle, {} KiB after {REQUESTS} concurrent 1 MiB blob requests",
+        idle_kib, peak_kib
+    );
+    // Bounded: each request holds at most one read buffer, not the blob.
+    assert!(peak_kib < 256 * 1024, "peak RSS {peak_kib} KiB");
+}

@@ -140,6 +140,7 @@ pub fn cleanup(hosts_dir: &Path) -> Result<Vec<Outcome>, DirError> {
         };
         let action = match hosts::cleanup(&text) {
             Cleaned::Untouched => continue,
+            Cleaned::Broken(reason) => Action::Skipped(reason),
             Cleaned::Restored(original) => {
                 write_atomic(&path, &original)?;
                 Action::Restored

@@ -30,6 +30,10 @@ pub enum MergeError {
     UnsupportedLayout,
     #[error("the merged file did not check out ({0}); left untouched")]
     Verification(String),
+    #[error(
+        "ferry's marker lines were edited (half a block, or two); left untouched: fix or remove them by hand"
+    )]
+    BrokenMarkers,
 }
 
 /// What a merge decided.
@@ -51,6 +55,8 @@ pub enum Cleaned {
     Restored(String),
     /// Ferry created the file (and the directory when `dir` is true): delete it.
     Delete { dir: bool },
+    /// Ferry's markers were edited by hand; the file is left as it is, with this reason.
+    Broken(String),
 }
 
 /// The `server` for a registry host, as containerd would default it.
@@ -93,7 +99,7 @@ fn block(mirror_url: &str, eol: &str) -> String {
 pub fn merge(existing: &str, mirror_url: &str) -> Result<Merged, MergeError> {
     // Start from the operator's own bytes: an earlier block of ours (perhaps for another URL,
     // perhaps no longer first) is taken out and the merge is done afresh.
-    let base = remove_block(existing).unwrap_or_else(|| existing.to_string());
+    let base = remove_block(existing)?.unwrap_or_else(|| existing.to_string());
     let eol = if base.contains("\r\n") { "\r\n" } else { "\n" };
     let doc = Document::parse(base.as_str())
         .map_err(|e| MergeError::Unparseable(one_line(&e.to_string())))?;
@@ -131,8 +137,12 @@ pub fn merge(existing: &str, mirror_url: &str) -> Result<Merged, MergeError> {
 
 /// Removes Ferry's block (and, for files Ferry created, says to delete them).
 pub fn cleanup(text: &str) -> Cleaned {
-    let Some(rest) = remove_block(text) else {
-        return created_marker(text).map_or(Cleaned::Untouched, |dir| Cleaned::Delete { dir });
+    let rest = match remove_block(text) {
+        Ok(Some(rest)) => rest,
+        Ok(None) => {
+            return created_marker(text).map_or(Cleaned::Untouched, |dir| Cleaned::Delete { dir });
+        }
+        Err(e) => return Cleaned::Broken(e.to_string()),
     };
     match created_marker(&rest) {
         Some(dir) if is_skeleton(&rest) => Cleaned::Delete { dir },
@@ -140,11 +150,31 @@ pub fn cleanup(text: &str) -> Cleaned {
     }
 }
 
+/// Ferry's markers in a file: none, or exactly one BEGIN followed by one END. Anything else
+/// (half a block, two blocks) means the file was edited by hand: Ferry does not guess.
+fn block_lines(text: &str) -> Result<Option<(usize, usize)>, MergeError> {
+    let all = |marker| {
+        let mut found = Vec::new();
+        let mut from = 0;
+        while let Some(at) = find_line(text, marker, from) {
+            found.push(at);
+            from = line_end(text, at);
+        }
+        found
+    };
+    match (all(BLOCK_BEGIN).as_slice(), all(BLOCK_END).as_slice()) {
+        ([], []) => Ok(None),
+        ([begin], [end]) if begin < end => Ok(Some((*begin, *end))),
+        _ => Err(MergeError::BrokenMarkers),
+    }
+}
+
 /// The text without Ferry's block and the one line break Ferry added with it, or `None`
-/// when there is no complete block.
-fn remove_block(text: &str) -> Option<String> {
-    let begin = find_line(text, BLOCK_BEGIN, 0)?;
-    let end_line = find_line(text, BLOCK_END, begin)?;
+/// when there is no block.
+fn remove_block(text: &str) -> Result<Option<String>, MergeError> {
+    let Some((begin, end_line)) = block_lines(text)? else {
+        return Ok(None);
+    };
     let mut end = line_end(text, end_line);
     let mut start = begin;
     if end < text.len() {
@@ -160,7 +190,7 @@ fn remove_block(text: &str) -> Option<String> {
     } else if text[..start].ends_with('\n') {
         start -= 1;
     }
-    Some(format!("{}{}", &text[..start], &text[end..]))
+    Ok(Some(format!("{}{}", &text[..start], &text[end..])))
 }
 
 /// `Some(created_dir)` when the first line is one of Ferry's "created" markers.
@@ -195,10 +225,23 @@ fn host_tables(doc: &Document<&str>) -> Result<Vec<(String, usize)>, MergeError>
             if t.is_dotted() {
                 return Err(MergeError::UnsupportedLayout);
             }
-            let span = t.span().ok_or(MergeError::UnsupportedLayout)?;
-            Ok((url.to_string(), span.start))
+            // A host's sub-table (`[host."x".header]`) may come before `[host."x"]` itself;
+            // the host is where it first appears.
+            let start = earliest(t).ok_or(MergeError::UnsupportedLayout)?;
+            Ok((url.to_string(), start))
         })
         .collect()
+}
+
+/// The first byte of a table or any table nested in it.
+fn earliest(table: &toml_edit::Table) -> Option<usize> {
+    let own = table.span().map(|s| s.start);
+    let nested = table.iter().filter_map(|(_, item)| match item {
+        toml_edit::Item::Table(t) => earliest(t),
+        toml_edit::Item::ArrayOfTables(a) => a.span().map(|s| s.start),
+        _ => None,
+    });
+    own.into_iter().chain(nested).min()
 }
 
 /// Parses the result and checks that Ferry's table is there and first in file order, which is

@@ -4,6 +4,8 @@
 mod channel;
 mod files;
 
+pub use files::blob_path;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

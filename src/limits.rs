@@ -1,0 +1,130 @@
+//! Bounds on what clients can make Ferry hold: connections per listener and requests in
+//! flight. Beyond them, new connections wait in the kernel's accept queue (backpressure)
+//! rather than growing Ferry's memory.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Open connections per listener. containerd opens a few per pull; a node runs a handful of
+/// pulls at once; peers add one pool each. Thousands is generous and still bounded.
+pub const MAX_CONNECTIONS: usize = 2048;
+/// Requests being answered at once per listener (each holds at most one read buffer).
+pub const MAX_IN_FLIGHT: usize = 1024;
+
+/// A TCP listener that accepts at most `limit` connections at a time.
+#[derive(Debug)]
+pub struct LimitedListener {
+    inner: TcpListener,
+    permits: Arc<Semaphore>,
+}
+
+impl LimitedListener {
+    pub fn new(inner: TcpListener, limit: usize) -> Self {
+        LimitedListener {
+            inner,
+            permits: Arc::new(Semaphore::new(limit)),
+        }
+    }
+}
+
+impl axum::serve::Listener for LimitedListener {
+    type Io = LimitedStream;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        // The semaphore is never closed, so acquiring cannot fail; fall back to unlimited
+        // rather than panic if it ever were.
+        let permit = self.permits.clone().acquire_owned().await.ok();
+        let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+        let _ = stream.set_nodelay(true);
+        (
+            LimitedStream {
+                inner: stream,
+                _permit: permit,
+            },
+            addr,
+        )
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+/// A connection holding its slot until it is closed.
+#[derive(Debug)]
+pub struct LimitedStream {
+    inner: TcpStream,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl AsyncRead for LimitedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for LimitedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::serve::Listener;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_connection_beyond_the_limit_waits_until_one_closes() {
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let mut listener = LimitedListener::new(tcp, 1);
+        let _c1 = TcpStream::connect(addr).await.unwrap();
+        let _c2 = TcpStream::connect(addr).await.unwrap();
+        let (first, _) = listener.accept().await;
+        let second = tokio::time::timeout(Duration::from_millis(200), listener.accept()).await;
+        assert!(
+            second.is_err(),
+            "the second connection must wait for a slot"
+        );
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(5), listener.accept()).await;
+        assert!(second.is_ok(), "a closed connection frees its slot");
+    }
+}
