@@ -60,6 +60,12 @@ pub enum AppError {
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), AppError> {
     let started = Instant::now();
     let mirror = bind(config.mirror_addr).await?;
+    if !config.mirror_addr.ip().is_loopback() {
+        tracing::warn!(
+            mirror = %config.mirror_addr,
+            "the mirror address is not loopback (mirror-allow-remote): anyone who reaches it can read this node's images"
+        );
+    }
     let outcomes =
         containerd_config::configure(&config.hosts_dir, &config.registries, &config.mirror_url())?;
     report(&outcomes);

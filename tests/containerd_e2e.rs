@@ -543,3 +543,43 @@ fn two_hundred_concurrent_blob_requests_all_succeed_in_bounded_memory() {
     // Bounded: each request holds at most one read buffer, not the blob.
     assert!(peak_kib < 256 * 1024, "peak RSS {peak_kib} KiB");
 }
+
+#[test]
+fn an_unusable_data_dir_turns_peers_off_and_the_mirror_keeps_serving() {
+    let w = World::new();
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).unwrap();
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    // A file where the data dir should be: the node key cannot be created there.
+    let not_a_dir = w.dir().join("data-is-a-file");
+    std::fs::write(&not_a_dir, "not a directory").unwrap();
+    let (p2p, peer) = (free_addr(), free_addr());
+    let ferry = Ferry::start(
+        w.dir(),
+        &w.node,
+        &[
+            "--data-dir",
+            not_a_dir.to_str().unwrap(),
+            "--advertise-addr",
+            "127.0.0.1",
+            "--p2p-addr",
+            &p2p.to_string(),
+            "--peer-addr",
+            &peer.to_string(),
+        ],
+    );
+    wait_for("ferry /readyz", || ferry.ready());
+    let layer = &w.image.layers[0];
+    let r = http(
+        "GET",
+        &ferry.url(&format!("/v2/team/app/blobs/{layer}")),
+        &[],
+    );
+    assert_eq!((r.status, sha256_hex(&r.body)), (200, layer.clone()));
+    let log = ferry.proc.log_text();
+    assert!(log.contains("peer-to-peer is off"), "{log}");
+    assert!(
+        log.contains("data-is-a-file"),
+        "the error names the path: {log}"
+    );
+}

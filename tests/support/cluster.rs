@@ -63,11 +63,11 @@ impl Node {
         self.ferry.stop();
         let mirror: SocketAddr = "127.0.0.1:5480".parse().expect("addr");
         let metrics = SocketAddr::new(self.ip.into(), METRICS_PORT);
-        let mut cmd = Ferry::command(&self.dir, &self.containerd, mirror, metrics);
-        cmd.args(["--advertise-addr", &self.ip.to_string()])
-            // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
-            .args(["--resolve-timeout", "1s"])
-            .args(&self.args);
+        let ip = self.ip.to_string();
+        // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
+        let mut extra = vec!["--advertise-addr", ip.as_str(), "--resolve-timeout", "1s"];
+        extra.extend(self.args.iter().map(String::as_str));
+        let cmd = Ferry::command(&self.dir, &self.containerd, mirror, metrics, &extra);
         let log = self.dir.join(format!("ferry-{}.log", std::process::id()));
         self.ferry = Proc::spawn(cmd, log);
         wait_for("ferry to answer in its namespace", || {

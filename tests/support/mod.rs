@@ -449,12 +449,14 @@ impl Ferry {
         PathBuf::from(env!("CARGO_BIN_EXE_ferry"))
     }
 
-    /// `ferry run` against `containerd`, in its network namespace, state under `dir`.
+    /// `ferry run` against `containerd`, in its network namespace, state under `dir`, with
+    /// `extra` flags (which may replace `--data-dir`).
     pub fn command(
         dir: &Path,
         containerd: &Containerd,
         mirror: SocketAddr,
         metrics: SocketAddr,
+        extra: &[&str],
     ) -> Command {
         let mut cmd = in_netns(
             containerd.netns.as_deref(),
@@ -473,9 +475,11 @@ impl Ferry {
             .arg(mirror.to_string())
             .arg("--metrics-addr")
             .arg(metrics.to_string())
-            .arg("--data-dir")
-            .arg(dir.join("ferry-data"))
             .args(["--log-level", "debug"]);
+        if !extra.contains(&"--data-dir") {
+            cmd.arg("--data-dir").arg(dir.join("ferry-data"));
+        }
+        cmd.args(extra);
         cmd
     }
 
@@ -483,8 +487,7 @@ impl Ferry {
     pub fn start(dir: &Path, containerd: &Containerd, extra: &[&str]) -> Ferry {
         let mirror = free_addr();
         let metrics = free_addr();
-        let mut cmd = Self::command(dir, containerd, mirror, metrics);
-        cmd.args(extra);
+        let cmd = Self::command(dir, containerd, mirror, metrics, extra);
         let proc = Proc::spawn(cmd, dir.join("ferry.log"));
         // The ops address is bound after the mirror and the hosts.toml entries: once it
         // answers, both are in place.
