@@ -74,7 +74,7 @@ fn upstream_blob_gets_from(registry: &Registry, since: usize, node: &Node) -> Ve
 /// Pulls, and again if an attempt failed cleanly (a reset transfer); returns the attempts.
 fn pull_retrying(node: &Node, reference: &str) -> (bool, Duration) {
     let start = Instant::now();
-    for attempt in 1..=3 {
+    for attempt in 1..=2 {
         match node.try_pull(reference) {
             Ok(_) => {
                 eprintln!("{}: pulled on attempt {attempt}", node.name);
@@ -87,7 +87,10 @@ fn pull_retrying(node: &Node, reference: &str) -> (bool, Duration) {
             ),
         }
     }
-    panic!("{}: three attempts failed", node.name);
+    panic!(
+        "{}: the retry failed too: a bad partial download survived",
+        node.name
+    );
 }
 
 #[test]
@@ -201,20 +204,19 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
         "only our token request"
     );
 
-    // Node 1 serves a corrupt config (small: verified before serving). Node 2 refuses it,
-    // quarantines node 1, gets the config from upstream and the layers from node 1.
+    // Node 1 serves a corrupt config (small: verified before serving). Node 2 refuses it and
+    // quarantines node 1: the config comes from upstream (and so may layers not yet fetched
+    // from node 1 when the quarantine began: a lying peer is not asked again).
     tamper(&n1, &config);
     let mark = registry.requests().len();
     n2.containerd
         .pull("k8s.io", &reference, &n2.containerd.hosts_dir);
     assert_eq!(n2.image_digest(&reference), image.manifest);
     let from_upstream = upstream_blob_gets_from(&registry, mark, &n2);
-    assert_eq!(
-        from_upstream.len(),
-        1,
-        "only the corrupt config came from upstream: {from_upstream:?}"
+    assert!(
+        from_upstream.iter().any(|uri| uri.contains(&config)),
+        "the corrupt config came from upstream: {from_upstream:?}"
     );
-    assert!(from_upstream[0].contains(&config));
     assert!(n2.metric("ferry_peer_failures_total{stage=\"verify\"}") >= 1);
     for digest in image.digests() {
         assert!(

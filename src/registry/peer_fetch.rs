@@ -463,10 +463,11 @@ impl Resumer {
     pub(super) fn discard_partial(&self, digest: &Digest) {
         let store = self.store.clone();
         let digest = digest.clone();
+        let detected = std::time::SystemTime::now();
         tokio::spawn(async move {
             for delay in DISCARD_PARTIAL_AFTER {
                 tokio::time::sleep(delay).await;
-                match store.discard_partial(&digest).await {
+                match store.discard_partial(&digest, detected).await {
                     Ok(0) => {}
                     Ok(n) => {
                         tracing::warn!(%digest, partial_downloads = n, "dropped containerd's partial download of a corrupt blob")

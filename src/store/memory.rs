@@ -166,7 +166,11 @@ impl ContentStore for MemoryStore {
         Ok(images)
     }
 
-    async fn discard_partial(&self, _digest: &Digest) -> Result<usize, StoreError> {
+    async fn discard_partial(
+        &self,
+        _digest: &Digest,
+        _started_before: std::time::SystemTime,
+    ) -> Result<usize, StoreError> {
         // Writes are whole here: there are no partial downloads.
         Ok(0)
     }

@@ -82,8 +82,13 @@ pub trait ContentStore: Send + Sync + 'static {
     /// Change notifications from now on.
     async fn changes(&self) -> Result<ChangeStream, StoreError>;
 
-    /// Drops unfinished downloads (ingests) of `digest`. Called after bytes that turned out
-    /// not to match were already streamed to this node's containerd: it would otherwise keep
-    /// them and resume on top of them, failing every later pull of that blob.
-    async fn discard_partial(&self, digest: &Digest) -> Result<usize, StoreError>;
+    /// Drops unfinished downloads (ingests) of `digest` started before `started_before`.
+    /// Called after bytes that turned out not to match were already streamed to this node's
+    /// containerd: it would otherwise keep them and resume on top of them, failing every later
+    /// pull of that blob. Downloads started afterwards are clean and left alone.
+    async fn discard_partial(
+        &self,
+        digest: &Digest,
+        started_before: std::time::SystemTime,
+    ) -> Result<usize, StoreError>;
 }

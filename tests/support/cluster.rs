@@ -19,6 +19,7 @@ pub struct Node {
     pub containerd: Containerd,
     pub ferry: Proc,
     args: Vec<String>,
+    starts: u32,
 }
 
 impl Node {
@@ -53,6 +54,7 @@ impl Node {
                 log: PathBuf::new(),
             },
             args: args.iter().map(|a| a.to_string()).collect(),
+            starts: 0,
         };
         node.start_ferry();
         node
@@ -68,7 +70,9 @@ impl Node {
         let mut extra = vec!["--advertise-addr", ip.as_str(), "--resolve-timeout", "1s"];
         extra.extend(self.args.iter().map(String::as_str));
         let cmd = Ferry::command(&self.dir, &self.containerd, mirror, metrics, &extra);
-        let log = self.dir.join(format!("ferry-{}.log", std::process::id()));
+        // One log per start: a restarted Ferry must not overwrite what the last one said.
+        self.starts += 1;
+        let log = self.dir.join(format!("ferry-{}.log", self.starts));
         self.ferry = Proc::spawn(cmd, log);
         wait_for("ferry to answer in its namespace", || {
             self.metrics().contains("ferry_hosts_config_written 1")

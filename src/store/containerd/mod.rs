@@ -186,7 +186,11 @@ impl ContentStore for ContainerdStore {
             .collect())
     }
 
-    async fn discard_partial(&self, digest: &Digest) -> Result<usize, StoreError> {
+    async fn discard_partial(
+        &self,
+        digest: &Digest,
+        started_before: std::time::SystemTime,
+    ) -> Result<usize, StoreError> {
         let mut client = ContentClient::new(self.channel.clone());
         let statuses = client
             .list_statuses(self.request(ListStatusesRequest {
@@ -196,9 +200,21 @@ impl ContentStore for ContainerdStore {
             .map_err(status_error)?
             .into_inner()
             .statuses;
-        let expected = digest.to_string();
+        let digest = digest.to_string();
+        let cutoff = started_before
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i128);
         let mut aborted = 0;
-        for status in statuses.into_iter().filter(|s| s.expected == expected) {
+        for status in statuses {
+            // containerd's local store does not keep `expected`; its pulls name the ingest
+            // `<kind>-<digest>` (layer-, config-, manifest-, index-), for CRI pulls too.
+            let ours = status.expected == digest || status.r#ref.ends_with(&format!("-{digest}"));
+            let started = status.started_at.as_ref().map_or(0, |t| {
+                i128::from(t.seconds) * 1_000_000_000 + i128::from(t.nanos)
+            });
+            if !ours || started > cutoff {
+                continue;
+            }
             match client
                 .abort(self.request(AbortRequest {
                     r#ref: status.r#ref.clone(),
