@@ -20,6 +20,7 @@ use std::net::IpAddr;
 
 use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
 use crate::containerd_config::{self, Action, Outcome, preflight};
+use crate::kubernetes::{self, bootstrap::KubernetesBootstrap, taint::TaintConfig};
 use crate::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
 use crate::metrics::Metrics;
 use crate::ops::{self, Readiness};
@@ -157,7 +158,9 @@ impl std::fmt::Debug for Peering {
 /// Everything peer-to-peer needs, resolved from the settings.
 pub struct PeerSetup {
     pub p2p: P2pConfig,
-    pub bootstrap: Arc<dyn Bootstrap>,
+    /// Static and DNS sources; the Kubernetes source is added in `serve`, where its watch
+    /// can be tied to the shutdown token.
+    pub bootstrap: Bootstraps,
     pub bootstrap_configured: bool,
     pub fetch: PeerFetchConfig,
     pub sync: SyncConfig,
@@ -214,9 +217,10 @@ impl PeerSetup {
                 },
                 psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
             },
-            bootstrap: Arc::new(Bootstraps(sources)),
+            bootstrap: Bootstraps(sources),
             bootstrap_configured: !settings.bootstrap_peers.is_empty()
-                || settings.bootstrap_dns.is_some(),
+                || settings.bootstrap_dns.is_some()
+                || config.kubernetes.bootstrap_selector.is_some(),
             fetch: PeerFetchConfig {
                 resolve_timeout: settings.resolve_timeout,
                 resolve_latest: settings.resolve_latest,
@@ -272,10 +276,38 @@ pub async fn serve(
 
     let token = CancellationToken::new();
     let tracker = TaskTracker::new();
+    // Local files only (service account or KUBECONFIG): no request to the API server yet.
+    let kube = if config.kubernetes.enabled() {
+        match kubernetes::client().await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::error!(error = %e, "no Kubernetes API client: no Kubernetes bootstrap, no ready taint removal");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if let (Some(client), Some(node)) = (&kube, &config.kubernetes.node_name) {
+        let taint = TaintConfig {
+            node: node.clone(),
+            key: config.kubernetes.ready_taint.clone(),
+        };
+        tracker.spawn(kubernetes::taint::remove_when_ready(
+            client.clone(),
+            taint,
+            readiness.clone(),
+            token.clone(),
+        ));
+    }
     let peers = match peering {
         Peering::Off => None,
-        Peering::P2p(setup) => start_router(&setup, &metrics, &token, &tracker)
-            .map(|router| (router, setup.fetch, setup.sync)),
+        Peering::P2p(mut setup) => {
+            let kubernetes =
+                start_kubernetes_bootstrap(&config, kube.as_ref(), &setup, &token, &tracker);
+            start_router(&mut setup, kubernetes, &metrics, &token, &tracker)
+                .map(|router| (router, setup.fetch, setup.sync))
+        }
         Peering::Router {
             router,
             fetch,
@@ -363,17 +395,48 @@ pub async fn serve(
     }
 }
 
+/// Watches Ferry's pods when `--bootstrap-kubernetes` is set and there is an API client.
+fn start_kubernetes_bootstrap(
+    config: &Config,
+    client: Option<&kube::Client>,
+    setup: &PeerSetup,
+    token: &CancellationToken,
+    tracker: &TaskTracker,
+) -> Option<KubernetesBootstrap> {
+    let selector = config.kubernetes.bootstrap_selector.as_deref()?;
+    let client = client?;
+    let namespace = kubernetes::namespace(config.kubernetes.namespace.as_deref(), client);
+    let (bootstrap, task) = KubernetesBootstrap::start(
+        client.clone(),
+        &namespace,
+        selector,
+        setup.p2p.listen.port(),
+        token.clone(),
+    );
+    tracker.spawn(async move {
+        let _ = task.await;
+    });
+    tracing::info!(%namespace, %selector, "bootstrapping peers from the Kubernetes API");
+    Some(bootstrap)
+}
+
 /// Starts the libp2p node. A failure (unreadable key, port in use) leaves Ferry serving this
 /// node's content alone: the mirror matters more than the peers.
 fn start_router(
-    peers: &PeerSetup,
+    peers: &mut PeerSetup,
+    kubernetes: Option<KubernetesBootstrap>,
     metrics: &Arc<Metrics>,
     token: &CancellationToken,
     tracker: &TaskTracker,
 ) -> Option<Arc<dyn Router>> {
+    let mut sources = std::mem::take(&mut peers.bootstrap);
+    if let Some(k) = kubernetes {
+        sources.0.push(Box::new(k));
+    }
+    let bootstrap: Arc<dyn Bootstrap> = Arc::new(sources);
     match P2pRouter::start(
         peers.p2p.clone(),
-        peers.bootstrap.clone(),
+        bootstrap,
         peers.bootstrap_configured,
         metrics.clone(),
         token.clone(),

@@ -81,6 +81,9 @@ pub struct Flags {
     /// Address containerd pulls through [default: 127.0.0.1:5480]
     #[arg(long, global = true, env = "FERRY_MIRROR_ADDR", value_name = "ADDR")]
     pub mirror_addr: Option<String>,
+    /// URL hosts.toml points containerd at [default: http://<mirror-addr>]
+    #[arg(long, global = true, env = "FERRY_MIRROR_TARGET", value_name = "URL")]
+    pub mirror_target: Option<String>,
     /// Address of /metrics, /healthz and /readyz [default: 0.0.0.0:5483]
     #[arg(long, global = true, env = "FERRY_METRICS_ADDR", value_name = "ADDR")]
     pub metrics_addr: Option<String>,
@@ -183,6 +186,28 @@ pub struct Flags {
         value_name = "SIZE"
     )]
     pub verify_before_serving: Option<String>,
+    /// Label selector of Ferry's pods: bootstrap peers from the Kubernetes API
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_BOOTSTRAP_KUBERNETES",
+        value_name = "SELECTOR"
+    )]
+    pub bootstrap_kubernetes: Option<String>,
+    /// Namespace of Ferry's pods [default: the pod's own]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_KUBERNETES_NAMESPACE",
+        value_name = "NS"
+    )]
+    pub kubernetes_namespace: Option<String>,
+    /// This node's Kubernetes name (the chart sets it from the downward API)
+    #[arg(long, global = true, env = "FERRY_NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+    /// Taint key removed from this node once Ferry is ready; empty disables [default: ferry.dev/not-ready]
+    #[arg(long, global = true, env = "FERRY_READY_TAINT", value_name = "KEY")]
+    pub ready_taint: Option<String>,
     /// text or json [default: text]
     #[arg(long, global = true, env = "FERRY_LOG_FORMAT", value_name = "FORMAT")]
     pub log_format: Option<String>,
@@ -203,6 +228,7 @@ impl Flags {
             ("hosts-dir", &self.hosts_dir),
             ("registries", &self.registries),
             ("mirror-addr", &self.mirror_addr),
+            ("mirror-target", &self.mirror_target),
             ("metrics-addr", &self.metrics_addr),
             ("data-dir", &self.data_dir),
             ("peer-addr", &self.peer_addr),
@@ -222,6 +248,10 @@ impl Flags {
             ("peer-first-byte-timeout", &self.peer_first_byte_timeout),
             ("peer-idle-timeout", &self.peer_idle_timeout),
             ("verify-before-serving", &self.verify_before_serving),
+            ("bootstrap-kubernetes", &self.bootstrap_kubernetes),
+            ("kubernetes-namespace", &self.kubernetes_namespace),
+            ("node-name", &self.node_name),
+            ("ready-taint", &self.ready_taint),
             ("log-format", &self.log_format),
             ("log-level", &self.log_level),
         ]

@@ -10,7 +10,7 @@ use crate::cli::Flags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 28] = [
+pub const KEYS: [(&str, &str); 33] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -21,6 +21,7 @@ pub const KEYS: [(&str, &str); 28] = [
     ("hosts-dir", "/etc/containerd/certs.d"),
     ("registries", ""),
     ("mirror-addr", "127.0.0.1:5480"),
+    ("mirror-target", ""),
     ("metrics-addr", "0.0.0.0:5483"),
     ("data-dir", "/var/lib/ferry"),
     ("peer-addr", ""),
@@ -40,6 +41,10 @@ pub const KEYS: [(&str, &str); 28] = [
     ("peer-first-byte-timeout", "2s"),
     ("peer-idle-timeout", "5s"),
     ("verify-before-serving", "4MiB"),
+    ("bootstrap-kubernetes", ""),
+    ("kubernetes-namespace", ""),
+    ("node-name", ""),
+    ("ready-taint", "ferry.dev/not-ready"),
     ("log-format", "text"),
     ("log-level", "info"),
 ];
@@ -53,13 +58,35 @@ pub struct Config {
     pub hosts_dir: PathBuf,
     pub registries: Registries,
     pub mirror_addr: SocketAddr,
+    /// What hosts.toml points containerd at; `None`: `http://<mirror-addr>` (wildcard as
+    /// loopback). Set when the mirror is reached another way (the chart's pod-network mode).
+    pub mirror_target: Option<String>,
     pub metrics_addr: SocketAddr,
     pub data_dir: PathBuf,
     pub p2p: Option<P2pSettings>,
     pub cluster_secret: Option<ClusterSecret>,
     pub registry_filters: RegistryFilters,
+    pub kubernetes: KubernetesSettings,
     pub log_format: LogFormat,
     pub log_level: String,
+}
+
+/// Kubernetes: where Ferry's pods are, which node this is, which taint to lift.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KubernetesSettings {
+    /// Label selector of Ferry's pods, for peer bootstrap.
+    pub bootstrap_selector: Option<String>,
+    pub namespace: Option<String>,
+    pub node_name: Option<String>,
+    /// `None`: leave taints alone.
+    pub ready_taint: Option<String>,
+}
+
+impl KubernetesSettings {
+    /// Whether Ferry talks to the Kubernetes API at all.
+    pub fn enabled(&self) -> bool {
+        self.bootstrap_selector.is_some() || self.node_name.is_some()
+    }
 }
 
 /// The peer-to-peer settings; `None` when `p2p = false`.
@@ -221,6 +248,7 @@ impl Config {
             hosts_dir: path("hosts-dir", &value("hosts-dir"))?,
             registries: registries(&value("registries"))?,
             mirror_addr,
+            mirror_target: mirror_target(&value("mirror-target"))?,
             metrics_addr: addr("metrics-addr", &value("metrics-addr"))?,
             data_dir: path("data-dir", &value("data-dir"))?,
             p2p: p2p_settings(value)?,
@@ -233,6 +261,7 @@ impl Config {
             },
             registry_filters: RegistryFilters::parse(&value("registry-filters"))
                 .map_err(|m| err("registry-filters", m))?,
+            kubernetes: kubernetes_settings(value)?,
             log_format: log_format(&value("log-format"))?,
             log_level: log_level(&value("log-level"))?,
         })
@@ -240,6 +269,9 @@ impl Config {
 
     /// The URL containerd is pointed at. A wildcard bind is reached over loopback.
     pub fn mirror_url(&self) -> String {
+        if let Some(target) = &self.mirror_target {
+            return target.clone();
+        }
         let ip = match self.mirror_addr.ip() {
             IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
             IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
@@ -353,6 +385,88 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         peer_idle_timeout: duration("peer-idle-timeout", &value("peer-idle-timeout"))?,
         verify_before_serving: size("verify-before-serving", &value("verify-before-serving"))?,
     }))
+}
+
+fn kubernetes_settings(value: &dyn Fn(&str) -> String) -> Result<KubernetesSettings, ConfigError> {
+    let optional = |key: &str| Some(value(key)).filter(|v| !v.is_empty());
+    let dns_label = |key: &str, v: &str| -> Result<(), ConfigError> {
+        let ok = v.len() <= 253
+            && v.split('.').all(|l| {
+                !l.is_empty()
+                    && l.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            });
+        if ok {
+            Ok(())
+        } else {
+            Err(err(key, format!("{v:?} is not a Kubernetes name")))
+        }
+    };
+    let selector = optional("bootstrap-kubernetes");
+    if let Some(s) = &selector
+        && (s.contains(char::is_whitespace) || s.contains(['\'', '"']))
+    {
+        return Err(err(
+            "bootstrap-kubernetes",
+            format!("{s:?} is not a label selector such as app.kubernetes.io/name=ferry"),
+        ));
+    }
+    let namespace = optional("kubernetes-namespace");
+    if let Some(ns) = &namespace {
+        dns_label("kubernetes-namespace", ns)?;
+    }
+    let node_name = optional("node-name");
+    if let Some(n) = &node_name {
+        dns_label("node-name", n)?;
+    }
+    let ready_taint = optional("ready-taint");
+    if let Some(t) = &ready_taint {
+        let (prefix, name) = t.rsplit_once('/').unwrap_or(("", t));
+        let name_ok = !name.is_empty()
+            && name.len() <= 63
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !name_ok || (!prefix.is_empty() && dns_label("ready-taint", prefix).is_err()) {
+            return Err(err(
+                "ready-taint",
+                format!("{t:?} is not a taint key such as ferry.dev/not-ready"),
+            ));
+        }
+    }
+    Ok(KubernetesSettings {
+        bootstrap_selector: selector,
+        namespace,
+        node_name,
+        ready_taint,
+    })
+}
+
+/// `http://host:port`: what containerd's hosts.toml names as the mirror.
+fn mirror_target(v: &str) -> Result<Option<String>, ConfigError> {
+    if v.is_empty() {
+        return Ok(None);
+    }
+    let bad = || {
+        err(
+            "mirror-target",
+            format!("{v:?} is not a URL such as http://10.0.0.5:5480"),
+        )
+    };
+    let rest = v
+        .strip_prefix("http://")
+        .or_else(|| v.strip_prefix("https://"))
+        .ok_or_else(bad)?;
+    let valid_host = !rest.is_empty()
+        && !rest.contains('/')
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b));
+    if valid_host {
+        Ok(Some(v.to_string()))
+    } else {
+        Err(bad())
+    }
 }
 
 /// `20ms`, `5s`, `30m`, `2h`.
@@ -623,6 +737,35 @@ mod tests {
             ..Flags::default()
         };
         assert_eq!(Config::load(&flags).unwrap_err().key, "config");
+    }
+
+    #[test]
+    fn mirror_target_overrides_the_url_written_to_hosts_toml() {
+        let flags = Flags {
+            mirror_target: Some("http://10.1.2.3:30480".into()),
+            ..Flags::default()
+        };
+        assert_eq!(
+            Config::load(&flags).unwrap().mirror_url(),
+            "http://10.1.2.3:30480"
+        );
+        for bad in [
+            "10.1.2.3:30480",
+            "http://",
+            "http://a/b",
+            "ftp://x",
+            "http://a\"b",
+        ] {
+            let flags = Flags {
+                mirror_target: Some(bad.into()),
+                ..Flags::default()
+            };
+            assert_eq!(
+                Config::load(&flags).unwrap_err().key,
+                "mirror-target",
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! - [`registry`]: the axum handlers of the mirror and peer addresses, peer fetch.
 //! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`kubernetes`]: peer bootstrap from the DaemonSet's pods, the node-ready taint.
 //! - [`limits`]: connection and in-flight request bounds on the listeners.
 //! - [`metrics`]: every metric family in one place.
 
@@ -22,6 +23,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod containerd_config;
+pub mod kubernetes;
 pub mod limits;
 pub mod metrics;
 pub mod oci;

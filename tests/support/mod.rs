@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod kube_api;
 pub mod netns;
 
 use std::net::{SocketAddr, TcpListener};

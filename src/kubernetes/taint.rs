@@ -1,0 +1,145 @@
+//! The node-ready taint: nodes register with `ferry.dev/not-ready=:NoSchedule`, and Ferry
+//! removes it from its own node once it is ready, so workloads are scheduled only when the
+//! mirror is live. A node without the taint is left alone. An Event on the node records it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Event, EventSource, Node, ObjectReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use tokio_util::sync::CancellationToken;
+
+use crate::ops::Readiness;
+
+/// How often readiness is checked before the taint can go.
+const READY_POLL: Duration = Duration::from_millis(100);
+const RETRY_MIN: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+/// Nodes are cluster-scoped; their events live here, as kubelet's do.
+const EVENT_NAMESPACE: &str = "default";
+
+#[derive(Debug, Clone)]
+pub struct TaintConfig {
+    /// This node (`NODE_NAME` from the downward API).
+    pub node: String,
+    /// The taint key to remove; `None` leaves taints alone (the Event is still recorded).
+    pub key: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Removed,
+    NotTainted,
+}
+
+/// Waits until Ferry is ready, then removes the taint (retrying with backoff while the API
+/// server is unreachable or the node changed under us) and records an Event. Runs on its own
+/// task: nothing waits for it.
+pub async fn remove_when_ready(
+    client: kube::Client,
+    config: TaintConfig,
+    readiness: Arc<Readiness>,
+    token: CancellationToken,
+) {
+    while !readiness.is_ready() {
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(READY_POLL) => {}
+        }
+    }
+    let mut retry = RETRY_MIN;
+    let outcome = loop {
+        let attempt = match &config.key {
+            Some(key) => remove(&client, &config.node, key).await,
+            None => Ok(Outcome::NotTainted),
+        };
+        match attempt {
+            Ok(outcome) => break outcome,
+            Err(e) => {
+                tracing::warn!(node = %config.node, error = %e, "cannot lift the ready taint yet; retrying")
+            }
+        }
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(retry) => {}
+        }
+        retry = (retry * 2).min(RETRY_MAX);
+    };
+    match outcome {
+        Outcome::Removed => {
+            tracing::info!(node = %config.node, key = ?config.key, "ready: node taint removed")
+        }
+        Outcome::NotTainted => {
+            tracing::info!(node = %config.node, "ready (the node had no ferry taint)")
+        }
+    }
+    if let Err(e) = record_event(&client, &config.node, outcome).await {
+        tracing::warn!(node = %config.node, error = %e, "cannot record the ready event");
+    }
+}
+
+/// Removes taints with `key` from `node`. The patch carries the node's resourceVersion: if
+/// anything changed the node since we read it (another taint added), the API server refuses
+/// and we read again, so no one else's taint is ever lost.
+pub async fn remove(client: &kube::Client, node: &str, key: &str) -> Result<Outcome, kube::Error> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let current = nodes.get(node).await?;
+    let taints = current
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    if !taints.iter().any(|t| t.key == key) {
+        return Ok(Outcome::NotTainted);
+    }
+    let kept: Vec<_> = taints.into_iter().filter(|t| t.key != key).collect();
+    let patch = serde_json::json!({
+        "metadata": { "resourceVersion": current.metadata.resource_version },
+        "spec": { "taints": kept },
+    });
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(Outcome::Removed)
+}
+
+async fn record_event(
+    client: &kube::Client,
+    node: &str,
+    outcome: Outcome,
+) -> Result<(), kube::Error> {
+    let events: Api<Event> = Api::namespaced(client.clone(), EVENT_NAMESPACE);
+    let now = Time(k8s_openapi::chrono::Utc::now());
+    let message = match outcome {
+        Outcome::Removed => "Ferry mirror is ready; node-ready taint removed",
+        Outcome::NotTainted => "Ferry mirror is ready",
+    };
+    let event = Event {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{node}.ferry-ready.")),
+            namespace: Some(EVENT_NAMESPACE.to_string()),
+            ..ObjectMeta::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(node.to_string()),
+            ..ObjectReference::default()
+        },
+        reason: Some("FerryReady".into()),
+        message: Some(message.into()),
+        type_: Some("Normal".into()),
+        source: Some(EventSource {
+            component: Some("ferry".into()),
+            host: Some(node.to_string()),
+        }),
+        first_timestamp: Some(now.clone()),
+        last_timestamp: Some(now),
+        count: Some(1),
+        ..Event::default()
+    };
+    events.create(&PostParams::default(), &event).await?;
+    Ok(())
+}
