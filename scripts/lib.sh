@@ -5,7 +5,8 @@ ensure_packages() {
     local missing=()
     local pair
     for pair in containerd:containerd ctr:containerd docker-registry:docker-registry \
-                skopeo:skopeo protoc:protobuf-compiler python3:python3 curl:curl ip:iproute2; do
+                skopeo:skopeo protoc:protobuf-compiler python3:python3 curl:curl ip:iproute2 \
+                tc:iproute2 systemd-analyze:systemd; do
         command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
     done
     if [ ${#missing[@]} -eq 0 ]; then
@@ -20,6 +21,14 @@ ensure_packages() {
     $sudo apt-get update -qq
     # shellcheck disable=SC2086
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $pkgs >/dev/null
+}
+
+# The Helm library for linting the chart: Helm itself cannot be downloaded here, the PyPI
+# package helm-sdkpy bundles it.
+ensure_helm_sdk() {
+    python3 -c 'import helm_sdkpy' 2>/dev/null && return 0
+    echo "==> installing helm-sdkpy (Helm v4 library) from PyPI"
+    python3 -m pip install --quiet --ignore-requires-python helm-sdkpy
 }
 
 ensure_rust() {

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Ferry's whole test suite, on a fresh Debian or Ubuntu machine (run as root, or with sudo):
-# installs containerd, docker-registry, skopeo and protoc when missing, checks formatting and
-# lints, then runs every test: unit, golden files, and the integration tests that start a real
-# containerd and a real registry. Those fail (never skip) if a prerequisite is missing.
+# installs containerd, docker-registry, skopeo, protoc and the Helm library (helm-sdkpy) when
+# missing, checks formatting and lints, then runs every test: unit, golden files, fuzzing (60 s
+# per target), the chart lint, and the integration tests that start real containerd, registries
+# and network namespaces. Those fail (never skip) if a prerequisite is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 
 ensure_packages
+ensure_helm_sdk
 ensure_rust
 
 echo "==> cargo fmt --check"

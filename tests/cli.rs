@@ -292,3 +292,33 @@ fn documented_config_file_parses_and_lists_every_key() {
     );
     assert!(out.status.success(), "{out:?}");
 }
+
+#[test]
+fn the_systemd_unit_verifies() {
+    support::require("systemd-analyze");
+    let tmp = tempfile::tempdir().unwrap();
+    let unit =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/ferry.service"))
+            .unwrap();
+    assert!(unit.contains("ExecStart=/usr/local/bin/ferry run --config /etc/ferry/ferry.toml"));
+    assert!(
+        unit.contains("Before=kubelet.service") && unit.contains("After=network-online.target")
+    );
+    // Verify it as installed, with the binary this build produced in place of /usr/local/bin.
+    let local = unit.replace("/usr/local/bin/ferry", Ferry::bin().to_str().unwrap());
+    let path = tmp.path().join("ferry.service");
+    std::fs::write(&path, local).unwrap();
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let problems: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("ferry.service"))
+        // Units this one orders itself against need not exist on a test machine.
+        .filter(|l| !l.contains("kubelet.service") && !l.contains("containerd.service"))
+        .collect();
+    assert!(problems.is_empty(), "systemd-analyze verify: {stderr}");
+}

@@ -1,0 +1,151 @@
+//! The Helm chart, linted by the real Helm library (helm-sdkpy bundles Helm v4), in both
+//! networking modes. Lint errors and warnings fail the test; a deliberately broken copy proves
+//! the linter is really looking.
+
+#![allow(clippy::unwrap_used)] // test helpers panic by design
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn chart() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/ferry")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// (severity, path) of every lint message: 1 info, 2 warning, 3 error.
+fn lint(chart: &Path) -> (Vec<(u64, String)>, bool) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chart/lint.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(chart)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("ModuleNotFoundError"),
+        "helm-sdkpy is required: pip install --ignore-requires-python helm-sdkpy (scripts/test.sh does)\n{stderr}"
+    );
+    if !out.status.success() {
+        // A chart Helm cannot even load is reported as an exception.
+        return (vec![(3, stderr.to_string())], true);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let messages = v["Messages"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|m| {
+            (
+                m["Severity"].as_u64().unwrap_or(0),
+                format!("{} {}", m["Path"], m["Err"]),
+            )
+        })
+        .collect();
+    (messages, !v["Errors"].is_null())
+}
+
+fn assert_clean(name: &str, chart: &Path) {
+    let (messages, errors) = lint(chart);
+    let bad: Vec<_> = messages.iter().filter(|(sev, _)| *sev >= 2).collect();
+    assert!(!errors && bad.is_empty(), "{name}: helm lint: {messages:?}");
+}
+
+fn with_values(tmp: &Path, name: &str, edit: impl Fn(String) -> String) -> PathBuf {
+    let dir = tmp.join(name).join("ferry");
+    copy_dir(&chart(), &dir);
+    let values = std::fs::read_to_string(dir.join("values.yaml")).unwrap();
+    std::fs::write(dir.join("values.yaml"), edit(values)).unwrap();
+    dir
+}
+
+#[test]
+fn the_chart_lints_clean_with_host_networking_and_in_the_pod_network() {
+    support::require("python3");
+    let tmp = tempfile::tempdir().unwrap();
+    assert_clean("defaults", &with_values(tmp.path(), "defaults", |v| v));
+    let pod_network = with_values(tmp.path(), "pod-network", |v| {
+        v.replace("hostNetwork: true", "hostNetwork: false")
+    });
+    assert!(
+        std::fs::read_to_string(pod_network.join("values.yaml"))
+            .unwrap()
+            .contains("hostNetwork: false")
+    );
+    assert_clean("hostNetwork: false", &pod_network);
+    let everything = with_values(tmp.path(), "everything", |v| {
+        v.replace(
+            "  enabled: false\n  interval",
+            "  enabled: true\n  interval",
+        )
+        .replace(
+            "  enabled: false\n  labels:\n    grafana_dashboard",
+            "  enabled: true\n  labels:\n    grafana_dashboard",
+        )
+        .replace("registries: []", "registries: [docker.io, ghcr.io]")
+        .replace(
+            "registryFilters: []",
+            "registryFilters: ['!registry\\.corp\\.example/.*']",
+        )
+    });
+    assert_clean(
+        "service monitor, dashboard, registries, filters",
+        &everything,
+    );
+}
+
+#[test]
+fn a_broken_chart_fails_the_lint() {
+    support::require("python3");
+    let tmp = tempfile::tempdir().unwrap();
+    let broken = with_values(tmp.path(), "broken", |v| v);
+    std::fs::write(
+        broken.join("templates/broken.yaml"),
+        "kind: ConfigMap\n{{ .Values.nothing.here }}\n",
+    )
+    .unwrap();
+    let (messages, errors) = lint(&broken);
+    assert!(
+        errors || messages.iter().any(|(sev, _)| *sev >= 3),
+        "{messages:?}"
+    );
+}
+
+#[test]
+fn every_value_is_documented_in_the_chart_readme() {
+    let values = std::fs::read_to_string(chart().join("values.yaml")).unwrap();
+    let readme = std::fs::read_to_string(chart().join("README.md")).unwrap();
+    let mut path: Vec<(usize, String)> = Vec::new();
+    for line in values.lines() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with('#') || trimmed.starts_with('-') || trimmed.is_empty() {
+            continue;
+        }
+        let Some((key, _)) = trimmed.split_once(':') else {
+            continue;
+        };
+        let indent = line.len() - trimmed.len();
+        path.retain(|(i, _)| *i < indent);
+        path.push((indent, key.to_string()));
+        let full: Vec<&str> = path.iter().map(|(_, k)| k.as_str()).collect();
+        let full = full.join(".");
+        assert!(
+            readme.contains(&format!("`{full}`")),
+            "charts/ferry/README.md does not document `{full}`"
+        );
+    }
+}
