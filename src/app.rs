@@ -47,13 +47,13 @@ const HOSTS_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         addr: SocketAddr,
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot write the containerd hosts config: {0}")]
+    #[error("cannot write the containerd hosts config")]
     Hosts(#[from] containerd_config::dir::DirError),
 }
 
