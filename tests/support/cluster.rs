@@ -109,24 +109,8 @@ impl Node {
 
     /// `ctr images pull` in the node's namespace: `Ok(output)` or `Err(output)`.
     pub fn try_pull(&self, reference: &str) -> Result<String, String> {
-        let out = super::in_netns(Some(&self.ns), "ctr")
-            .arg("--address")
-            .arg(&self.containerd.socket)
-            .args(["-n", "k8s.io", "images", "pull", "--hosts-dir"])
-            .arg(&self.containerd.hosts_dir)
-            .arg(reference)
-            .output()
-            .expect("run ctr");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        if out.status.success() {
-            Ok(text)
-        } else {
-            Err(text)
-        }
+        self.containerd
+            .try_pull("k8s.io", reference, &self.containerd.hosts_dir)
     }
 
     /// Removes the image and its content, as if never pulled (containerd's garbage collector

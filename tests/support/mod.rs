@@ -220,6 +220,17 @@ state = "{d}/state"
 
     /// `ctr images pull --hosts-dir` into `namespace`; panics with ctr's output on failure.
     pub fn pull(&self, namespace: &str, reference: &str, hosts_dir: &Path) -> String {
+        self.try_pull(namespace, reference, hosts_dir)
+            .unwrap_or_else(|text| panic!("ctr pull {reference} failed:\n{text}"))
+    }
+
+    /// `ctr images pull --hosts-dir`: `Ok(output)` or `Err(output)`.
+    pub fn try_pull(
+        &self,
+        namespace: &str,
+        reference: &str,
+        hosts_dir: &Path,
+    ) -> Result<String, String> {
         // ctr does the registry HTTP itself: it must run in the node's network namespace.
         let out = in_netns(self.netns.as_deref(), "ctr")
             .arg("--address")
@@ -234,8 +245,11 @@ state = "{d}/state"
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(out.status.success(), "ctr pull {reference} failed:\n{text}");
-        text
+        if out.status.success() {
+            Ok(text)
+        } else {
+            Err(text)
+        }
     }
 
     pub fn ctr(&self, args: &[&str]) -> String {
