@@ -295,7 +295,13 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
             (first, first || run())
         })
     };
-    std::thread::sleep(Duration::from_millis(1500));
+    // Kill node 3's Ferry once node 2 is receiving layers from it, not before. (Node 2's
+    // metrics: node 3's own link is the slow one.)
+    let from_peer = "ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}";
+    let before = n2.metric(from_peer);
+    wait_for("node 2 receiving from node 3", || {
+        n2.metric(from_peer) > before + (1 << 20)
+    });
     n3.ferry.signal("KILL");
     let (first, eventually) = puller.join().unwrap();
     let body_failures = n2.metric("ferry_peer_failures_total{stage=\"body\"}");
