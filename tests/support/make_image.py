@@ -24,8 +24,12 @@ def blob(root, data):
     return {"digest": "sha256:" + digest, "size": len(data)}
 
 
+# randbytes() cannot make more than 256 MiB at once; large layers are built from chunks.
+CHUNK = 16 * 1024 * 1024
+
+
 def layer(index, size, rng):
-    payload = rng.randbytes(size)
+    payload = b"".join(rng.randbytes(min(CHUNK, size - i)) for i in range(0, size, CHUNK))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         info = tarfile.TarInfo(name=f"data/layer-{index}.bin")
