@@ -314,6 +314,33 @@ impl Registry {
         Registry { addr, proc }
     }
 
+    /// A pull-through cache (`proxy.remoteurl`) in `netns`, proxying `upstream`.
+    pub fn start_proxy(
+        dir: &Path,
+        netns: &str,
+        addr: SocketAddr,
+        upstream: SocketAddr,
+    ) -> Registry {
+        require("docker-registry");
+        std::fs::create_dir_all(dir).expect("cache dir");
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: {addr}\nproxy:\n  remoteurl: http://{upstream}\n",
+                dir.display()
+            ),
+        )
+        .expect("cache config");
+        let mut cmd = in_netns(Some(netns), "docker-registry");
+        cmd.arg("serve").arg(&config);
+        let proc = Proc::spawn(cmd, dir.join("registry.log"));
+        wait_for("the cache to listen", || {
+            std::net::TcpStream::connect(addr).is_ok()
+        });
+        Registry { addr, proc }
+    }
+
     /// `(remote address, method, URI)` of every request the registry has answered, once its
     /// log has stopped growing: it logs a request just after the client has its response.
     pub fn requests(&self) -> Vec<(String, String, String)> {

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Ferry's cluster benchmark, on a fresh Debian or Ubuntu machine, as root: installs what it
+# needs, then runs benches/cluster.rs (release build). Results: benches/results/cluster.json and
+# benches/results/cluster.png; the table for the README is printed at the end.
+#   ./scripts/bench.sh                       # 4 nodes, 200mbit upstream, 10MiB,100MiB,1GiB x 1,4 layers
+#   ./scripts/bench.sh --sizes 10MiB,100MiB  # any of: --nodes N --rate R --sizes LIST --layers LIST
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "bench.sh creates network namespaces: run it as root" >&2
+    exit 1
+fi
+ensure_packages
+ensure_rust
+dpkg -s fonts-dejavu-core >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-dejavu-core >/dev/null
+cargo bench --locked --bench cluster -- "$@"
