@@ -206,13 +206,17 @@ fn main() {
             );
             eprintln!("== {name}");
             // A distinct image per scenario, so no scenario finds another's content anywhere.
-            let image = |scenario: &str| {
+            let mut used: Vec<(String, Image)> = Vec::new();
+            let mut image = |scenario: &str| {
                 let tag = format!("{}-{layers}-{scenario}", label.to_lowercase());
                 let img = Image::generate(&dir.join("images").join(&tag), &tag, layers, per_layer);
                 img.push(upstream, "bench/app");
-                format!("{upstream}/bench/app:{tag}")
+                let reference = format!("{upstream}/bench/app:{tag}");
+                // The layout is pushed: its disk space is better spent on the nodes.
+                let _ = std::fs::remove_dir_all(&img.layout);
+                used.push((reference.clone(), img));
+                reference
             };
-
             // Baseline: every node straight from upstream, one after the other.
             let reference = image("baseline");
             let mark = completed(&registry);
@@ -280,6 +284,13 @@ fn main() {
             });
             eprintln!("{}", serde_json::to_string_pretty(&entry).unwrap());
             results.push(entry);
+            // Every node forgets this round's images (content and unpacked snapshots): a 1 GiB
+            // matrix would otherwise fill the disk several times over.
+            for (reference, img) in &used {
+                for node in &nodes {
+                    node.forget(reference, &img.digests());
+                }
+            }
         }
     }
     let report = json!({
