@@ -271,6 +271,19 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     n2.forget(&reference, &image.digests());
     n1.forget(&reference, &image.digests());
     let mut n3 = n3;
+    // Node 2 was stopped a moment ago: wait until its mirror finds node 3 as a provider
+    // (a HEAD through the peer path), so the pull below really streams from node 3.
+    let probe = format!(
+        "http://127.0.0.1:5480/v2/team/app/blobs/{layer0}?ns={}",
+        registry_addr.to_string().replace(':', "%3A")
+    );
+    wait_for("node 2 finds node 3", || {
+        in_netns(Some(&n2.ns), "curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-I", &probe])
+            .output()
+            .map(|o| o.stdout == b"200")
+            .unwrap_or(false)
+    });
     let puller = {
         let (ns, socket, hosts) = (
             n2.ns.clone(),
