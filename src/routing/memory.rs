@@ -18,6 +18,11 @@ pub struct MemoryNetwork {
 struct PeerKey(String, std::net::SocketAddr);
 
 impl MemoryNetwork {
+    /// The provider map; a panicked holder leaves it usable (every change is one insert or remove).
+    fn providers(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, BTreeSet<PeerKey>>> {
+        self.providers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn new() -> Self {
         Self::default()
     }
@@ -51,11 +56,7 @@ impl Router for MemoryRouter {
 
     async fn lookup(&self, key: &str) -> PeerStream {
         let found: Vec<Peer> = {
-            let map = self
-                .network
-                .providers
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let map = self.network.providers();
             map.get(key)
                 .into_iter()
                 .flatten()
@@ -74,11 +75,7 @@ impl Router for MemoryRouter {
     }
 
     async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError> {
-        let mut map = self
-            .network
-            .providers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut map = self.network.providers();
         for key in keys {
             map.entry(key).or_default().insert(self.me());
         }
@@ -86,11 +83,7 @@ impl Router for MemoryRouter {
     }
 
     async fn withdraw(&self, keys: Vec<String>) -> Result<(), RouterError> {
-        let mut map = self
-            .network
-            .providers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut map = self.network.providers();
         for key in keys {
             if let Some(set) = map.get_mut(&key) {
                 set.remove(&self.me());
