@@ -2,16 +2,22 @@
 //! registry behind a `tbf`-shaped link, in network namespaces on one bridge, plus a central
 //! pull-through cache as the alternative users deploy. For each image of the matrix, side by
 //! side in one run: every node pulling straight from upstream (baseline), Ferry (one node first,
-//! then the others one by one, then the rest at once), and the cache. Reports median pull time
-//! per node and its ratio to the baseline, and the bytes the upstream served, as JSON and a PNG
-//! under `benches/results/`.
+//! then the others one by one, then the rest at once), the cache, and the physical limit (every
+//! node pulling from an unshaped registry on the same bridge: containerd's own cost). Reports
+//! median pull time per node and its ratio to the baseline, and the bytes the upstream served;
+//! then the component figures (`components.rs`). JSON and a PNG under `benches/results/`.
 //!
 //! `cargo bench --bench cluster -- [--nodes 4] [--rate 200mbit] [--sizes 10MiB,100MiB,1GiB]
-//! [--layers 1,4]`. Needs root (network namespaces). `./scripts/bench.sh` installs what it needs.
+//! [--layers 1,4] [--component-size 1GiB] [--out DIR]`. Needs root (network namespaces).
+//! `./scripts/bench.sh` installs what it needs.
 
 #![allow(clippy::unwrap_used)] // a benchmark harness: failures are loud on purpose
 #![allow(dead_code)]
 
+#[path = "cluster/components.rs"]
+mod components;
+#[path = "cluster/report.rs"]
+mod report;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
@@ -29,6 +35,7 @@ struct Options {
     rate: String,
     sizes: Vec<(String, usize)>,
     layers: Vec<usize>,
+    component_size: usize,
     out: PathBuf,
 }
 
@@ -66,6 +73,7 @@ fn options() -> Option<Options> {
             .split(',')
             .map(|s| s.parse().expect("--layers"))
             .collect(),
+        component_size: parse_size(&value("--component-size", "1GiB")),
         out: PathBuf::from(value(
             "--out",
             concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results"),
@@ -94,7 +102,7 @@ fn pull_at_once(nodes: &[&Node], reference: &str, hosts: impl Fn(&Node) -> PathB
     })
 }
 
-fn median(v: &[f64]) -> f64 {
+pub fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
@@ -126,7 +134,7 @@ fn completed(registry: &Registry) -> usize {
 }
 
 /// A plain hosts dir that sends `node` straight to `server` (optionally through `via` first).
-fn hosts_dir(node: &Node, name: &str, server: SocketAddr, via: Option<SocketAddr>) -> PathBuf {
+pub fn hosts_dir(node: &Node, name: &str, server: SocketAddr, via: Option<SocketAddr>) -> PathBuf {
     let dir = node.dir.join(name);
     let host = dir.join(server.to_string());
     std::fs::create_dir_all(&host).unwrap();
@@ -169,6 +177,10 @@ fn main() {
     let cache_ns = net.add_host("cache", 2);
     let cache_addr = SocketAddr::new(net.host_ip(2).into(), 5000);
     let cache = Registry::start_proxy(&dir.join("cache"), &cache_ns, cache_addr, upstream);
+    // The physical limit: a registry on the same bridge, unshaped. No mirror can beat it.
+    let near_ns = net.add_host("near", 3);
+    let near = SocketAddr::new(net.host_ip(3).into(), 5000);
+    let near_registry = Registry::start_at(&dir.join("near"), Some(&near_ns), near);
 
     let secret = dir.join("secret");
     std::fs::write(&secret, "benchmark cluster secret, long enough\n").unwrap();
@@ -176,7 +188,13 @@ fn main() {
     let mut nodes: Vec<Node> = Vec::new();
     for i in 0..opts.nodes {
         let seed = (i > 0).then(|| format!("{}:{P2P_PORT}", nodes[0].ip));
-        let mut args = vec!["--cluster-secret-file", secret_arg.as_str()];
+        // Info, as operators run it: debug lines cost time on the data path.
+        let mut args = vec![
+            "--cluster-secret-file",
+            secret_arg.as_str(),
+            "--log-level",
+            "info",
+        ];
         if let Some(seed) = &seed {
             args.extend(["--bootstrap-peers", seed.as_str()]);
         }
@@ -207,18 +225,18 @@ fn main() {
             eprintln!("== {name}");
             // A distinct image per scenario, so no scenario finds another's content anywhere.
             let mut used: Vec<(String, Image)> = Vec::new();
-            let mut image = |scenario: &str| {
+            let mut image = |scenario: &str, registry: SocketAddr| {
                 let tag = format!("{}-{layers}-{scenario}", label.to_lowercase());
                 let img = Image::generate(&dir.join("images").join(&tag), &tag, layers, per_layer);
-                img.push(upstream, "bench/app");
-                let reference = format!("{upstream}/bench/app:{tag}");
+                img.push(registry, "bench/app");
+                let reference = format!("{registry}/bench/app:{tag}");
                 // The layout is pushed: its disk space is better spent on the nodes.
                 let _ = std::fs::remove_dir_all(&img.layout);
                 used.push((reference.clone(), img));
                 reference
             };
             // Baseline: every node straight from upstream, one after the other.
-            let reference = image("baseline");
+            let reference = image("baseline", upstream);
             let mark = completed(&registry);
             let plain: Vec<PathBuf> = nodes
                 .iter()
@@ -232,7 +250,7 @@ fn main() {
             let baseline_bytes = bytes_served(&registry, mark);
 
             // Ferry: the first node, then one by one, then the rest at once.
-            let reference = image("ferry");
+            let reference = image("ferry", upstream);
             let mark = completed(&registry);
             let advertised = nodes[0].metric("ferry_keys_advertised");
             let first = timed_pull(&nodes[0], &reference, &nodes[0].containerd.hosts_dir);
@@ -251,7 +269,7 @@ fn main() {
             let ferry_bytes = bytes_served(&registry, mark);
 
             // The central pull-through cache.
-            let reference = image("cache");
+            let reference = image("cache", upstream);
             let mark = completed(&registry);
             let via: Vec<PathBuf> = nodes
                 .iter()
@@ -264,6 +282,13 @@ fn main() {
                 .map(|(n, h)| timed_pull(n, &reference, h))
                 .collect();
             let cache_bytes = bytes_served(&registry, mark);
+
+            // The physical limit: the same pull with the registry next door.
+            let reference = image("limit", near);
+            let limit: Vec<f64> = nodes
+                .iter()
+                .map(|n| timed_pull(n, &reference, &hosts_dir(n, "near", near, None)))
+                .collect();
 
             let base = median(&baseline);
             let ratio = |t: f64| if t > 0.0 { base / t } else { 0.0 };
@@ -280,7 +305,8 @@ fn main() {
                 "pull_through_cache": {
                     "first_s": cache_first, "rest_s": cache_rest, "rest_median_s": median(&cache_rest),
                     "speedup": ratio(median(&cache_rest)), "upstream_bytes": cache_bytes
-                }
+                },
+                "physical_limit": {"pull_s": limit, "median_s": median(&limit), "speedup": ratio(median(&limit))}
             });
             eprintln!("{}", serde_json::to_string_pretty(&entry).unwrap());
             results.push(entry);
@@ -293,10 +319,12 @@ fn main() {
             }
         }
     }
+    let components = components::run(&mut nodes, near, dir, opts.component_size);
     let report = json!({
         "machine": machine(),
         "nodes": opts.nodes, "upstream_rate": opts.rate,
         "results": results,
+        "components": components,
     });
     std::fs::create_dir_all(&opts.out).unwrap();
     std::fs::write(
@@ -304,10 +332,11 @@ fn main() {
         serde_json::to_string_pretty(&report).unwrap(),
     )
     .unwrap();
-    chart(&report, &opts.out.join("cluster.png"));
-    println!("{}", table(&report));
+    report::chart(&report, &opts.out.join("cluster.png"));
+    println!("{}", report::table(&report));
+    println!("{}", report::components(&report));
     drop(nodes);
-    drop((cache, registry, tmp));
+    drop((cache, near_registry, registry, tmp));
     drop(net);
 }
 
@@ -323,120 +352,4 @@ fn machine() -> Value {
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
     json!({"cpus": cpus, "cpu": model})
-}
-
-/// The README table: median pull time per node and its speed-up over the baseline.
-fn table(report: &Value) -> String {
-    let mut out = String::from(
-        "| image | baseline (s) | Ferry, one by one (s) | Ferry, at once (s) | pull-through cache (s) | upstream bytes: baseline / Ferry / cache |\n|---|---|---|---|---|---|\n",
-    );
-    for r in report["results"].as_array().into_iter().flatten() {
-        let f = |v: &Value| v.as_f64().unwrap_or(0.0);
-        out.push_str(&format!(
-            "| {} | {:.2} | {:.2} ({:.1}x) | {:.2} ({:.1}x) | {:.2} ({:.1}x) | {} / {} / {} |\n",
-            r["image"].as_str().unwrap_or(""),
-            f(&r["baseline"]["median_s"]),
-            f(&r["ferry"]["one_by_one_median_s"]),
-            f(&r["ferry"]["speedup_one_by_one"]),
-            f(&r["ferry"]["at_once_median_s"]),
-            f(&r["ferry"]["speedup_at_once"]),
-            f(&r["pull_through_cache"]["rest_median_s"]),
-            f(&r["pull_through_cache"]["speedup"]),
-            r["baseline"]["upstream_bytes"],
-            r["ferry"]["upstream_bytes"],
-            r["pull_through_cache"]["upstream_bytes"],
-        ));
-    }
-    out
-}
-
-/// Median pull time per node, per image and scenario, as grouped bars.
-fn chart(report: &Value, path: &Path) {
-    use plotters::prelude::*;
-    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
-        .expect("DejaVu Sans (fonts-dejavu-core)");
-    let _ = plotters::style::register_font(
-        "sans-serif",
-        FontStyle::Normal,
-        Box::leak(font.into_boxed_slice()),
-    );
-    let results = report["results"].as_array().cloned().unwrap_or_default();
-    let series = [
-        ("baseline", "/baseline/median_s", RGBColor(150, 150, 150)),
-        (
-            "Ferry, one by one",
-            "/ferry/one_by_one_median_s",
-            RGBColor(30, 120, 200),
-        ),
-        (
-            "Ferry, at once",
-            "/ferry/at_once_median_s",
-            RGBColor(20, 170, 120),
-        ),
-        (
-            "pull-through cache",
-            "/pull_through_cache/rest_median_s",
-            RGBColor(230, 140, 30),
-        ),
-    ];
-    let max = results
-        .iter()
-        .flat_map(|r| {
-            series
-                .iter()
-                .map(move |(_, p, _)| r.pointer(p).and_then(Value::as_f64).unwrap_or(0.0))
-        })
-        .fold(0.1f64, f64::max);
-    let root = BitMapBackend::new(path, (1200, 600)).into_drawing_area();
-    root.fill(&WHITE).unwrap();
-    let n = results.len().max(1) as f64;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "Median pull time per node (lower is better)",
-            ("sans-serif", 24),
-        )
-        .margin(20)
-        .x_label_area_size(60)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0f64..n, 0f64..max * 1.15)
-        .unwrap();
-    let labels: Vec<String> = results
-        .iter()
-        .map(|r| r["image"].as_str().unwrap_or("").to_string())
-        .collect();
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        // Ticks every half unit: the label sits under the middle of each image's group.
-        .x_labels(results.len().max(1) * 2 + 1)
-        .x_label_formatter(&|x| {
-            if (x.fract() - 0.5).abs() < 0.01 {
-                labels.get(x.floor() as usize).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
-        .y_desc("seconds")
-        .draw()
-        .unwrap();
-    let width = 0.8 / series.len() as f64;
-    for (s, (name, pointer, color)) in series.iter().enumerate() {
-        let bars = results.iter().enumerate().map(|(i, r)| {
-            let v = r.pointer(pointer).and_then(Value::as_f64).unwrap_or(0.0);
-            let x0 = i as f64 + 0.1 + s as f64 * width;
-            Rectangle::new([(x0, 0.0), (x0 + width, v)], color.filled())
-        });
-        chart
-            .draw_series(bars)
-            .unwrap()
-            .label(*name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .unwrap();
-    root.present().unwrap();
 }

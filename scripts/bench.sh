@@ -4,6 +4,7 @@
 # benches/results/cluster.png; the table for the README is printed at the end.
 #   ./scripts/bench.sh                       # 4 nodes, 200mbit upstream, 10MiB,100MiB,1GiB x 1,4 layers
 #   ./scripts/bench.sh --sizes 10MiB,100MiB  # any of: --nodes N --rate R --sizes LIST --layers LIST
+#                                            #   --component-size SIZE --out DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -12,7 +13,9 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "bench.sh creates network namespaces: run it as root" >&2
     exit 1
 fi
-ensure_packages
+# Besides what the tests need: the chart's font, and nginx (the component figures compare
+# Ferry's blob serving with nginx's sendfile).
+ensure_packages /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf:fonts-dejavu-core \
+    /usr/sbin/nginx:nginx
 ensure_rust
-dpkg -s fonts-dejavu-core >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-dejavu-core >/dev/null
 cargo bench --locked --bench cluster -- "$@"

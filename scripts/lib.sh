@@ -1,13 +1,19 @@
 # Shared by scripts/test.sh and scripts/demo.sh. Source it; do not run it.
 
-# Installs the Debian packages Ferry's tests and demo need, when any is missing.
+# Installs the Debian packages Ferry's tests and demo need, when any is missing. Extra
+# `file:package` pairs (a command name or an absolute path, then its package) may be given.
 ensure_packages() {
     local missing=()
     local pair
     for pair in containerd:containerd ctr:containerd docker-registry:docker-registry \
                 skopeo:skopeo protoc:protobuf-compiler python3:python3 curl:curl ip:iproute2 \
-                tc:iproute2 systemd-analyze:systemd; do
-        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+                tc:iproute2 systemd-analyze:systemd "$@"; do
+        local want="${pair%%:*}"
+        if [ "${want#/}" != "$want" ]; then
+            [ -e "$want" ] || missing+=("${pair#*:}")
+        else
+            command -v "$want" >/dev/null 2>&1 || missing+=("${pair#*:}")
+        fi
     done
     if [ ${#missing[@]} -eq 0 ]; then
         return 0

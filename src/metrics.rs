@@ -76,6 +76,7 @@ pub struct Metrics {
     pub peer_auth_failures: Family<ReasonLabels, Counter>,
     pub peers_connected: Gauge,
     pub keys_advertised: Gauge,
+    pub announcements_pending: Gauge,
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
@@ -102,6 +103,7 @@ impl Metrics {
         let peer_auth_failures = Family::<ReasonLabels, Counter>::default();
         let peers_connected = Gauge::default();
         let keys_advertised = Gauge::default();
+        let announcements_pending = Gauge::default();
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
@@ -156,6 +158,11 @@ impl Metrics {
             keys_advertised.clone(),
         );
         registry.register(
+            "announcements_pending",
+            "Keys whose DHT announcement is queued or in flight (at most 32 run at once)",
+            announcements_pending.clone(),
+        );
+        registry.register(
             "store_lookups",
             "Content store lookups by kind and result (hit, miss, unavailable)",
             lookups.clone(),
@@ -182,6 +189,7 @@ impl Metrics {
             peer_auth_failures,
             peers_connected,
             keys_advertised,
+            announcements_pending,
             lookups,
             containerd_up,
             hosts_config_written,

@@ -1,6 +1,7 @@
 //! Real libp2p on loopback, several nodes in one process: the DHT finds providers, forgets
-//! withdrawn ones when their records expire, keeps re-provided ones, survives a restart with
-//! the same identity, and answers a lookup for a key nobody has within a bound.
+//! withdrawn ones when their records expire, keeps re-provided ones, announces many keys a
+//! few at a time (all found), survives a restart with the same identity, and answers a lookup
+//! for a key nobody has within a bound.
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -32,6 +33,7 @@ struct Node {
     p2p: SocketAddr,
     http: SocketAddr,
     data_dir: std::path::PathBuf,
+    metrics: Arc<Metrics>,
 }
 
 fn free_port() -> u16 {
@@ -71,11 +73,12 @@ fn start_with_key(
         .map(|a| tcp_multiaddr(a.ip(), a.port()))
         .collect();
     let token = CancellationToken::new();
+    let metrics = Arc::new(Metrics::new());
     let (router, task) = P2pRouter::start(
         config,
         Arc::new(StaticBootstrap { addrs }),
         !bootstrap.is_empty(),
-        Arc::new(Metrics::new()),
+        metrics.clone(),
         token.clone(),
     )
     .unwrap();
@@ -86,6 +89,7 @@ fn start_with_key(
         p2p,
         http,
         data_dir: data_dir.to_path_buf(),
+        metrics,
     }
 }
 
@@ -198,6 +202,34 @@ async fn providers_are_found_withdrawn_and_reprovided() {
         providers(&nodes[3].router, key).await.is_empty()
     })
     .await;
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_keys_are_announced_a_few_at_a_time_and_all_found() {
+    let tmp = tempfile::tempdir().unwrap();
+    let nodes = cluster(tmp.path(), 3).await;
+    // Far more than the announcements allowed in flight at once (32).
+    let keys: Vec<String> = (0..600).map(|i| format!("sha256:{i:064x}")).collect();
+    nodes[0].router.advertise(keys.clone()).await.unwrap();
+    assert!(
+        nodes[0].metrics.announcements_pending.get() > 0,
+        "announcements are queued, not all started at once"
+    );
+    eventually("every announcement finished", || async {
+        nodes[0].metrics.announcements_pending.get() == 0
+    })
+    .await;
+    // The first, the last and some in between: found from another node.
+    for key in keys.iter().step_by(97).chain(keys.last()) {
+        let found = providers(&nodes[2].router, key).await;
+        assert!(
+            found.iter().any(|p| p.addr == nodes[0].http),
+            "{key} not found"
+        );
+    }
     for n in nodes {
         stop(n).await;
     }

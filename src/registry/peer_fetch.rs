@@ -372,9 +372,13 @@ impl PeerFetcher {
         let started = Instant::now();
         let mut stream = self.router.lookup(key).await;
         let mut found = Vec::new();
+        // The latency that matters is the time to the first provider: the grace wait for
+        // failover candidates below is not part of it.
+        let mut took = None;
         if let Ok(Some(first)) =
             tokio::time::timeout(self.config.resolve_timeout, stream.recv()).await
         {
+            took = Some(started.elapsed());
             found.push(first);
             // Others that arrive right behind the first are failover candidates.
             while let Ok(Some(more)) =
@@ -387,7 +391,7 @@ impl PeerFetcher {
         }
         self.metrics
             .peer_lookup_duration
-            .observe(started.elapsed().as_secs_f64());
+            .observe(took.unwrap_or_else(|| started.elapsed()).as_secs_f64());
         let result = if found.is_empty() { "none" } else { "found" };
         self.metrics
             .peer_lookups

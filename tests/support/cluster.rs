@@ -63,6 +63,14 @@ impl Node {
     /// (Re)starts this node's Ferry and waits until it answers.
     pub fn start_ferry(&mut self) {
         self.ferry.stop();
+        self.spawn_ferry();
+        wait_for("ferry to answer in its namespace", || {
+            self.metrics().contains("ferry_hosts_config_written 1")
+        });
+    }
+
+    /// Starts this node's Ferry (stopped before) and returns at once.
+    pub fn spawn_ferry(&mut self) {
         let mirror: SocketAddr = "127.0.0.1:5480".parse().expect("addr");
         let metrics = SocketAddr::new(self.ip.into(), METRICS_PORT);
         let ip = self.ip.to_string();
@@ -74,9 +82,10 @@ impl Node {
         self.starts += 1;
         let log = self.dir.join(format!("ferry-{}.log", self.starts));
         self.ferry = Proc::spawn(cmd, log);
-        wait_for("ferry to answer in its namespace", || {
-            self.metrics().contains("ferry_hosts_config_written 1")
-        });
+    }
+
+    pub fn metrics_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.ip.into(), METRICS_PORT)
     }
 
     pub fn metrics(&self) -> String {

@@ -516,8 +516,11 @@ impl Ferry {
             .arg("--mirror-addr")
             .arg(mirror.to_string())
             .arg("--metrics-addr")
-            .arg(metrics.to_string())
-            .args(["--log-level", "debug"]);
+            .arg(metrics.to_string());
+        // Tests read debug lines; a benchmark passes its own level (debug costs time).
+        if !extra.contains(&"--log-level") {
+            cmd.args(["--log-level", "debug"]);
+        }
         if !extra.contains(&"--data-dir") {
             cmd.arg("--data-dir").arg(dir.join("ferry-data"));
         }

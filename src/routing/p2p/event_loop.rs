@@ -2,7 +2,7 @@
 //! pending lookup ends on every outcome (found, none, timeout, error, shutdown), because its
 //! reply channel is dropped when the query is over.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -26,6 +26,10 @@ use crate::routing::bootstrap::Bootstrap;
 const REBOOTSTRAP_INTERVAL: Duration = Duration::from_secs(10);
 /// With peers connected, the DHT routing table is refreshed this often.
 const KAD_BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(300);
+/// Announcements (Kademlia queries) in flight at once. A node with 10,000 keys would
+/// otherwise start 10,000 queries at once: measured, that took its memory from 15 to 140 MiB
+/// (and glibc keeps it), for no faster an end.
+const MAX_ANNOUNCEMENTS_IN_FLIGHT: usize = 32;
 
 pub(crate) struct EventLoop {
     swarm: Swarm<Behaviour>,
@@ -42,6 +46,9 @@ pub(crate) struct EventLoop {
     /// Providers found before we knew their HTTP address: delivered once identify arrives,
     /// dropped (ending those lookups' streams) when the dial fails or the peer goes away.
     awaiting_identify: HashMap<PeerId, Vec<mpsc::Sender<Peer>>>,
+    /// Keys to announce, started as announcements in flight finish.
+    to_announce: VecDeque<String>,
+    announcing: HashSet<QueryId>,
     kad_bootstrapped: bool,
 }
 
@@ -64,6 +71,8 @@ impl EventLoop {
             http_addrs: HashMap::new(),
             lookups: HashMap::new(),
             awaiting_identify: HashMap::new(),
+            to_announce: VecDeque::new(),
+            announcing: HashSet::new(),
             kad_bootstrapped: false,
         }
     }
@@ -117,20 +126,17 @@ impl EventLoop {
                 self.lookups.insert(id, (reply, HashSet::new()));
             }
             Command::Advertise { keys, reply } => {
-                let kad = &mut self.swarm.behaviour_mut().kad;
-                let mut error = None;
-                for key in keys {
-                    if let Err(e) = kad.start_providing(key.into_bytes().into()) {
-                        error.get_or_insert(e.to_string());
-                    }
-                }
-                let _ = reply.send(error.map_or(Ok(()), Err));
+                self.to_announce.extend(keys);
+                let _ = reply.send(self.announce_next());
             }
             Command::Withdraw { keys } => {
+                let gone: HashSet<&String> = keys.iter().collect();
+                self.to_announce.retain(|k| !gone.contains(k));
                 let kad = &mut self.swarm.behaviour_mut().kad;
                 for key in keys {
                     kad.stop_providing(&key.into_bytes().into());
                 }
+                self.update_announce_queue();
             }
             Command::Dial { addrs } => {
                 for addr in addrs {
@@ -140,6 +146,38 @@ impl EventLoop {
                 }
             }
         }
+    }
+
+    /// Starts queued announcements up to the in-flight limit. `start_providing` also puts the
+    /// record in our own store, so this node answers for a key from the moment it starts.
+    fn announce_next(&mut self) -> Result<(), String> {
+        let mut error = None;
+        while self.announcing.len() < MAX_ANNOUNCEMENTS_IN_FLIGHT {
+            let Some(key) = self.to_announce.pop_front() else {
+                break;
+            };
+            match self
+                .swarm
+                .behaviour_mut()
+                .kad
+                .start_providing(key.into_bytes().into())
+            {
+                Ok(id) => {
+                    self.announcing.insert(id);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot announce a key");
+                    error.get_or_insert(e.to_string());
+                }
+            }
+        }
+        self.update_announce_queue();
+        error.map_or(Ok(()), Err)
+    }
+
+    fn update_announce_queue(&self) {
+        let n = self.to_announce.len() + self.announcing.len();
+        self.metrics.announcements_pending.set(n as i64);
     }
 
     fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
@@ -213,10 +251,17 @@ impl EventLoop {
                 }
             }
             kad::Event::OutboundQueryProgressed {
-                result: QueryResult::StartProviding(Err(e)),
+                id,
+                result: QueryResult::StartProviding(result),
+                step,
                 ..
             } => {
-                tracing::debug!(error = %e, "announcement did not reach every closest peer");
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "announcement did not reach every closest peer");
+                }
+                if step.last && self.announcing.remove(&id) {
+                    let _ = self.announce_next();
+                }
             }
             kad::Event::OutboundQueryProgressed {
                 result: QueryResult::Bootstrap(Err(e)),
