@@ -8,7 +8,8 @@
 //! then the component figures (`components.rs`). JSON and a PNG under `benches/results/`.
 //!
 //! `cargo bench --bench cluster -- [--nodes 4] [--rate 200mbit] [--sizes 10MiB,100MiB,1GiB]
-//! [--layers 1,4] [--component-size 1GiB] [--out DIR]`. Needs root (network namespaces).
+//! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot]`. Needs root (network
+//! namespaces), except `--replot`: redraw the chart and reprint the tables from the JSON.
 //! `./scripts/bench.sh` installs what it needs.
 
 #![allow(clippy::unwrap_used)] // a benchmark harness: failures are loud on purpose
@@ -37,6 +38,8 @@ struct Options {
     layers: Vec<usize>,
     component_size: usize,
     out: PathBuf,
+    /// Only redraw the chart and print the tables from `<out>/cluster.json` (no root needed).
+    replot: bool,
 }
 
 fn parse_size(s: &str) -> usize {
@@ -74,6 +77,7 @@ fn options() -> Option<Options> {
             .map(|s| s.parse().expect("--layers"))
             .collect(),
         component_size: parse_size(&value("--component-size", "1GiB")),
+        replot: args.iter().any(|a| a == "--replot"),
         out: PathBuf::from(value(
             "--out",
             concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results"),
@@ -155,6 +159,14 @@ fn main() {
     let Some(opts) = options() else {
         return;
     };
+    if opts.replot {
+        let text = std::fs::read_to_string(opts.out.join("cluster.json")).unwrap();
+        let report: Value = serde_json::from_str(&text).unwrap();
+        report::chart(&report, &opts.out.join("cluster.png"));
+        println!("{}", report::table(&report));
+        println!("{}", report::components(&report));
+        return;
+    }
     let mut net = Net::new();
     let tmp = tempfile::Builder::new()
         .prefix("ferry-bench")

@@ -4,7 +4,8 @@
 # benches/results/cluster.png; the table for the README is printed at the end.
 #   ./scripts/bench.sh                       # 4 nodes, 200mbit upstream, 10MiB,100MiB,1GiB x 1,4 layers
 #   ./scripts/bench.sh --sizes 10MiB,100MiB  # any of: --nodes N --rate R --sizes LIST --layers LIST
-#                                            #   --component-size SIZE --out DIR
+#                                            #   --component-size SIZE --out DIR; --replot redraws
+#                                            #   the chart and reprints the tables from the JSON
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh

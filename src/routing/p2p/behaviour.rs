@@ -6,9 +6,10 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use libp2p::identity::Keypair;
-use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{StreamProtocol, identify, kad};
+
+use super::store::ProviderStore;
 
 /// Kademlia protocol name: private, so Ferry's DHT never mixes with IPFS or other networks.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
@@ -21,13 +22,13 @@ const PEER_ADDR_MARK: &str = " peer-addr=";
 /// A bound on every Kademlia query, so every lookup and announcement finishes. A cluster DHT
 /// answers in milliseconds; this only matters when peers vanish mid-query.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
-/// A node serves every digest of every image it holds; 10,000 is common on a busy node.
+/// Keys with provider records in this node's store, its own and other nodes': a node serves
+/// every digest of every image it holds, and 10,000 is common on a busy node.
 const MAX_PROVIDED_KEYS: usize = 1_000_000;
-const MAX_RECORDS: usize = 1_000_000;
 
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
-    pub kad: kad::Behaviour<MemoryStore>,
+    pub kad: kad::Behaviour<ProviderStore>,
     pub identify: identify::Behaviour,
 }
 
@@ -52,12 +53,7 @@ impl Behaviour {
         if let Some(n) = NonZeroUsize::new(20) {
             config.set_replication_factor(n);
         }
-        let store_config = MemoryStoreConfig {
-            max_records: MAX_RECORDS,
-            max_provided_keys: MAX_PROVIDED_KEYS,
-            ..MemoryStoreConfig::default()
-        };
-        let store = MemoryStore::with_config(peer_id, store_config);
+        let store = ProviderStore::new(peer_id, MAX_PROVIDED_KEYS);
         let mut kad = kad::Behaviour::with_config(peer_id, store, config);
         // On a private network there may never be a confirmed external address, and a client
         // stores no records: be a server from the start.

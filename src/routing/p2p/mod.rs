@@ -4,6 +4,7 @@
 mod behaviour;
 mod event_loop;
 pub mod identity;
+mod store;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
