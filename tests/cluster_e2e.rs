@@ -7,10 +7,9 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use support::cluster::{Node, P2P_PORT};
+use support::cluster::{Node, P2P_PORT, registry_host};
 use support::netns::Net;
 use support::*;
 
@@ -23,9 +22,7 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     let mut net = Net::new();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let upstream_ns = net.add_host("up", 1);
-    let registry_addr = SocketAddr::new(net.host_ip(1).into(), 5000);
-    let registry = Registry::start_at(&dir.join("registry"), Some(&upstream_ns), registry_addr);
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
     let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
     image.push(registry_addr, "team/app");
     let reference = format!("{registry_addr}/team/app:v1");

@@ -7,11 +7,10 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use ferry::trust::{ClusterSecret, TOKEN_HEADER, token};
-use support::cluster::{Node, P2P_PORT};
+use support::cluster::{Node, P2P_PORT, registry_host};
 use support::netns::Net;
 use support::*;
 
@@ -109,9 +108,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     std::fs::write(&secret_file, format!("{SECRET}\n")).unwrap();
     let other_file = dir.join("other-secret");
     std::fs::write(&other_file, "another cluster's secret entirely\n").unwrap();
-    let upstream_ns = net.add_host("up", 1);
-    let registry_addr = SocketAddr::new(net.host_ip(1).into(), 5000);
-    let registry = Registry::start_at(&dir.join("registry"), Some(&upstream_ns), registry_addr);
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
     let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
     image.push(registry_addr, "team/app");
     let reference = format!("{registry_addr}/team/app:v1");

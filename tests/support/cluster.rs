@@ -4,7 +4,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use super::netns::Net;
-use super::{Containerd, Ferry, Proc, wait_for};
+use super::{Containerd, Ferry, Proc, Registry, wait_for};
 
 pub const P2P_PORT: u16 = 5482;
 pub const PEER_PORT: u16 = 5481;
@@ -150,4 +150,12 @@ impl Node {
     pub fn peer_url(&self, path: &str) -> String {
         format!("http://{}:{PEER_PORT}{path}", self.ip)
     }
+}
+
+/// A registry in its own namespace on the cluster's bridge (host number `host`), on port 5000;
+/// its storage under `dir/name`.
+pub fn registry_host(net: &mut Net, dir: &Path, name: &str, host: u8) -> (Registry, SocketAddr) {
+    let ns = net.add_host(name, host);
+    let addr = SocketAddr::new(net.host_ip(host).into(), 5000);
+    (Registry::start_at(&dir.join(name), Some(&ns), addr), addr)
 }
