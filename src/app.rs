@@ -466,12 +466,8 @@ fn spawn_server(
     let router = router.layer(tower::limit::GlobalConcurrencyLimitLayer::new(
         MAX_IN_FLIGHT,
     ));
-    tracker.spawn(async move {
-        let server = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned());
-        if let Err(e) = server.await {
-            tracing::error!(error = %e, "{name} server failed");
-        }
-    });
+    tracing::debug!("{name} listener serving");
+    tracker.spawn(crate::server::serve(listener, router, stop));
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {

@@ -17,6 +17,7 @@
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`kubernetes`]: peer bootstrap from the DaemonSet's pods, the node-ready taint.
 //! - [`limits`]: connection and in-flight request bounds on the listeners.
+//! - [`server`]: the HTTP accept loop (header read timeout, graceful drain).
 //! - [`metrics`]: every metric family in one place.
 
 pub mod app;
@@ -30,5 +31,6 @@ pub mod oci;
 pub mod ops;
 pub mod registry;
 pub mod routing;
+pub mod server;
 pub mod store;
 pub mod trust;

@@ -583,3 +583,30 @@ fn an_unusable_data_dir_turns_peers_off_and_the_mirror_keeps_serving() {
         "the error names the path: {log}"
     );
 }
+
+#[test]
+fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    let w = World::new();
+    let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
+    // Headers that never end (no blank line): a slowloris client holding a connection slot.
+    let mut slow = std::net::TcpStream::connect(ferry.mirror).unwrap();
+    slow.write_all(b"GET /v2/ HTTP/1.1\r\nHost: ferry\r\nX-Slow: ")
+        .unwrap();
+    // Far beyond Ferry's header read timeout (10 s): if this read times out, Ferry kept it.
+    slow.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    // Meanwhile everyone else is served.
+    let r = http("GET", &ferry.url("/v2/"), &[]);
+    assert_eq!(r.status, 200);
+    let mut buf = Vec::new();
+    match slow.read_to_end(&mut buf) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the half-sent request was never cut off: {e}"),
+    }
+    let answer = String::from_utf8_lossy(&buf);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+        "{answer}"
+    );
+}
