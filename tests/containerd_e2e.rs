@@ -487,17 +487,6 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
     assert!(ferry.hosts_dir.join("_default/hosts.toml").exists());
 }
 
-/// Peak resident memory of a process, from /proc.
-fn peak_rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 #[test]
 fn two_hundred_concurrent_blob_requests_all_succeed_in_bounded_memory() {
     let w = World::with_layers(2, 1024 * 1024);
@@ -506,7 +495,7 @@ fn two_hundred_concurrent_blob_requests_all_succeed_in_bounded_memory() {
     w.node.pull("k8s.io", &w.reference(), &hosts);
     let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
     wait_for("ferry /readyz", || ferry.ready());
-    let idle_kib = peak_rss_kib(ferry.proc.pid());
+    let idle_kib = ferry.proc.memory_kib("VmHWM");
 
     const REQUESTS: usize = 200;
     let urls: Vec<(String, String)> = (0..REQUESTS)
@@ -535,7 +524,7 @@ fn two_hundred_concurrent_blob_requests_all_succeed_in_bounded_memory() {
     for ((status, got), (_, want)) in results.iter().zip(&urls) {
         assert_eq!((*status, got), (200, want));
     }
-    let peak_kib = peak_rss_kib(ferry.proc.pid());
+    let peak_kib = ferry.proc.memory_kib("VmHWM");
     eprintln!(
         "ferry peak RSS: {} KiB idle, {} KiB after {REQUESTS} concurrent 1 MiB blob requests",
         idle_kib, peak_kib

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use ferry::containerd_config::hosts::BLOCK_BEGIN;
 use serde_json::{Value, json};
 
 use super::support::cluster::Node;
@@ -28,7 +29,7 @@ pub fn run(nodes: &mut [Node], near: SocketAddr, dir: &Path, blob_size: usize) -
     let startup = startup(&mut nodes[last]);
     // Idle: a node just started, connected, with nothing to do.
     std::thread::sleep(Duration::from_secs(3));
-    let idle_kib = rss_kib(&nodes[last].ferry);
+    let idle_kib = nodes[last].ferry.memory_kib("VmRSS");
     eprintln!("== component figures: start-up {startup}, idle {idle_kib} KiB");
 
     let (blob, size) = big_blob(&nodes[0], near, dir, blob_size);
@@ -63,17 +64,6 @@ fn summary(v: &[f64]) -> Value {
     json!({"median": median(v), "p99": percentile(v, 99.0), "all": v})
 }
 
-/// Resident memory of a process, from /proc (KiB).
-fn rss_kib(proc: &Proc) -> u64 {
-    std::fs::read_to_string(format!("/proc/{}/status", proc.pid()))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// `GET path` on `addr` with a plain socket (no client start-up in the measurement): the status.
 fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(50)).ok()?;
@@ -95,7 +85,7 @@ fn ferry_block_written(hosts_dir: &Path) -> bool {
         .flatten()
         .any(|e| {
             std::fs::read_to_string(e.path().join("hosts.toml"))
-                .is_ok_and(|t| t.contains("# >>> ferry mirror"))
+                .is_ok_and(|t| t.contains(BLOCK_BEGIN))
         })
 }
 
@@ -242,7 +232,7 @@ fn throughput(nodes: &[Node], near: SocketAddr, dir: &Path, blob: &str, size: us
 fn four_pulls(nodes: &[Node], near: SocketAddr, blob: &str, size: usize) -> Value {
     let url = mirror_url(near, "bench/component", blob);
     let others = &nodes[1..];
-    let before = rss_kib(&nodes[0].ferry);
+    let before = nodes[0].ferry.memory_kib("VmRSS");
     let (done, peaks) = std::thread::scope(|s| {
         let pulls: Vec<_> = (0..4)
             .map(|i| {
@@ -254,7 +244,7 @@ fn four_pulls(nodes: &[Node], near: SocketAddr, blob: &str, size: usize) -> Valu
         let mut peaks = vec![0u64; nodes.len()];
         while pulls.iter().any(|p| !p.is_finished()) {
             for (peak, node) in peaks.iter_mut().zip(nodes) {
-                *peak = (*peak).max(rss_kib(&node.ferry));
+                *peak = (*peak).max(node.ferry.memory_kib("VmRSS"));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -289,7 +279,7 @@ fn many_digests(node: &Node, near: SocketAddr, dir: &Path) -> (Value, Vec<String
         .lines()
         .map(str::to_string)
         .collect();
-    let before_kib = rss_kib(&node.ferry);
+    let before_kib = node.ferry.memory_kib("VmRSS");
     let before = node.metric("ferry_keys_advertised");
     let tar = tar.to_str().unwrap();
     node.containerd.ctr(&[
@@ -313,12 +303,12 @@ fn many_digests(node: &Node, near: SocketAddr, dir: &Path) -> (Value, Vec<String
             start.elapsed() < Duration::from_secs(900),
             "advertising 10k"
         );
-        peak = peak.max(rss_kib(&node.ferry));
+        peak = peak.max(node.ferry.memory_kib("VmRSS"));
         std::thread::sleep(Duration::from_millis(100));
     }
     let advertised_s = start.elapsed().as_secs_f64();
     std::thread::sleep(Duration::from_secs(5));
-    let after = rss_kib(&node.ferry);
+    let after = node.ferry.memory_kib("VmRSS");
     let value = json!({
         "digests": MANY_IMAGES * 4, "keys": keys,
         "before_kib": before_kib, "peak_kib": peak.max(after), "settled_kib": after,

@@ -72,7 +72,7 @@ impl Node {
     /// Starts this node's Ferry (stopped before) and returns at once.
     pub fn spawn_ferry(&mut self) {
         let mirror: SocketAddr = "127.0.0.1:5480".parse().expect("addr");
-        let metrics = SocketAddr::new(self.ip.into(), METRICS_PORT);
+        let metrics = self.metrics_addr();
         let ip = self.ip.to_string();
         // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
         let mut extra = vec!["--advertise-addr", ip.as_str(), "--resolve-timeout", "1s"];

@@ -79,6 +79,16 @@ impl Proc {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
+    /// A memory figure of this process from /proc (KiB): `VmRSS` now, `VmHWM` the peak.
+    pub fn memory_kib(&self, field: &str) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
     pub fn is_running(&mut self) -> bool {
         match self.child.as_mut() {
             Some(c) => matches!(c.try_wait(), Ok(None)),
