@@ -23,9 +23,13 @@ use crate::containerd_config::{self, Action, Outcome, preflight};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap, taint::TaintConfig};
 use crate::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
 use crate::metrics::Metrics;
+use crate::oci::registry::Registries;
 use crate::ops::{self, Readiness};
 use crate::registry::peer_fetch::PeerFetchConfig;
-use crate::registry::{self, PeerFetcher, PeerGuard, RegistryState};
+use crate::registry::upstream::{PROBE_INTERVAL, PROBE_TIMEOUT};
+use crate::registry::{
+    self, MirrorState, PeerApiState, PeerFetcher, ResolveTags, UpstreamConfig, UpstreamWatch,
+};
 use crate::routing::Router;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
 use crate::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
@@ -138,6 +142,7 @@ pub enum Peering {
     Router {
         router: Arc<dyn Router>,
         fetch: PeerFetchConfig,
+        tags: ResolveTags,
         sync: SyncConfig,
     },
 }
@@ -163,6 +168,7 @@ pub struct PeerSetup {
     pub bootstrap: Bootstraps,
     pub bootstrap_configured: bool,
     pub fetch: PeerFetchConfig,
+    pub tags: ResolveTags,
     pub sync: SyncConfig,
 }
 
@@ -223,12 +229,12 @@ impl PeerSetup {
                 || config.kubernetes.bootstrap_selector.is_some(),
             fetch: PeerFetchConfig {
                 resolve_timeout: settings.resolve_timeout,
-                resolve_latest: settings.resolve_latest,
                 connect_timeout: settings.peer_connect_timeout,
                 first_byte_timeout: settings.peer_first_byte_timeout,
                 idle_timeout: settings.peer_idle_timeout,
                 verify_before_serving: settings.verify_before_serving,
             },
+            tags: settings.resolve_tags,
             sync: SyncConfig {
                 registries: config.registries.clone(),
                 filters: config.registry_filters.clone(),
@@ -306,16 +312,17 @@ pub async fn serve(
             let kubernetes =
                 start_kubernetes_bootstrap(&config, kube.as_ref(), &setup, &token, &tracker);
             start_router(&mut setup, kubernetes, &metrics, &token, &tracker)
-                .map(|router| (router, setup.fetch, setup.sync))
+                .map(|router| (router, setup.fetch, setup.tags, setup.sync))
         }
         Peering::Router {
             router,
             fetch,
+            tags,
             sync,
-        } => Some((router, fetch, sync)),
+        } => Some((router, fetch, tags, sync)),
     };
     let secret = config.cluster_secret.clone();
-    let fetcher = peers.as_ref().map(|(router, fetch, _)| {
+    let fetcher = peers.as_ref().map(|(router, fetch, _, _)| {
         Arc::new(PeerFetcher::new(
             router.clone(),
             *fetch,
@@ -325,34 +332,41 @@ pub async fn serve(
         ))
     });
     let (exposed_tx, exposed) = sync::exposure();
-    let state = RegistryState {
+    let tags = peers
+        .as_ref()
+        .map_or(ResolveTags::Never, |(_, _, tags, _)| *tags);
+    let upstream = (fetcher.is_some() && tags == ResolveTags::WhenUpstreamFails)
+        .then(|| watch_upstream(&config, &metrics, &token))
+        .flatten();
+    let mirror = MirrorState {
         store: store.clone(),
         registries: config.registries.clone(),
         metrics: metrics.clone(),
         peers: fetcher,
-        guard: None,
+        tags,
+        upstream,
     };
     spawn_server(
         &tracker,
         &token,
         "mirror",
         listeners.mirror,
-        registry::router(state.clone()),
+        registry::mirror::router(mirror),
     );
     if let Some(listener) = listeners.peer {
-        // The peer address serves this node's own content only, never asks further, and only
-        // what this node advertises, to callers with a valid token.
-        let local_only = RegistryState {
-            peers: None,
-            guard: Some(PeerGuard { secret, exposed }),
-            ..state
+        let peer_api = PeerApiState {
+            store: store.clone(),
+            registries: config.registries.clone(),
+            metrics: metrics.clone(),
+            secret,
+            exposed,
         };
         spawn_server(
             &tracker,
             &token,
             "peer",
             listener,
-            registry::router(local_only),
+            registry::peer_api::router(peer_api),
         );
     }
     spawn_server(
@@ -362,7 +376,7 @@ pub async fn serve(
         listeners.ops,
         ops::router(readiness.clone(), metrics.clone()),
     );
-    if let Some((router, _, sync_config)) = peers {
+    if let Some((router, _, _, sync_config)) = peers {
         tracker.spawn(sync::run(
             store.clone(),
             router,
@@ -392,6 +406,33 @@ pub async fn serve(
         .is_err()
     {
         tracing::warn!("grace period over; remaining requests are cut off");
+    }
+}
+
+/// Starts probing the upstream registries (`--resolve-tags when-upstream-fails`). Without it
+/// (it cannot fail in practice) every registry counts as answering: tags go upstream.
+fn watch_upstream(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    token: &CancellationToken,
+) -> Option<UpstreamWatch> {
+    let watched = match &config.registries {
+        Registries::Only(list) => list.clone(),
+        Registries::All => Vec::new(),
+    };
+    let upstream = UpstreamConfig {
+        hosts_dir: config.hosts_dir.clone(),
+        mirror_url: config.mirror_url(),
+        watched,
+        interval: PROBE_INTERVAL,
+        timeout: PROBE_TIMEOUT,
+    };
+    match UpstreamWatch::start(upstream, metrics.clone(), token.clone()) {
+        Ok(watch) => Some(watch),
+        Err(e) => {
+            tracing::error!(error = %e, "tags always resolve upstream: the registries cannot be probed");
+            None
+        }
     }
 }
 

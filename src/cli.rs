@@ -113,8 +113,12 @@ pub struct Flags {
     /// How long a provider lookup may take before a miss goes upstream [default: 20ms]
     #[arg(long, global = true, env = "FERRY_RESOLVE_TIMEOUT", value_name = "DUR")]
     pub resolve_timeout: Option<String>,
-    /// Whether `latest` tags are resolved through peers [default: false]
-    #[arg(long, global = true, env = "FERRY_RESOLVE_LATEST", value_name = "BOOL")]
+    /// When tags are resolved through peers: never, when-upstream-fails, always
+    /// [default: when-upstream-fails]
+    #[arg(long, global = true, env = "FERRY_RESOLVE_TAGS", value_name = "WHEN")]
+    pub resolve_tags: Option<String>,
+    /// Replaced by --resolve-tags; kept only to say so
+    #[arg(long, global = true, hide = true, env = "FERRY_RESOLVE_LATEST")]
     pub resolve_latest: Option<String>,
     /// Lifetime of this node's provider records in the DHT [default: 30m]
     #[arg(long, global = true, env = "FERRY_PROVIDE_TTL", value_name = "DUR")]
@@ -237,6 +241,7 @@ impl Flags {
             ("bootstrap-peers", &self.bootstrap_peers),
             ("bootstrap-dns", &self.bootstrap_dns),
             ("resolve-timeout", &self.resolve_timeout),
+            ("resolve-tags", &self.resolve_tags),
             ("resolve-latest", &self.resolve_latest),
             ("provide-ttl", &self.provide_ttl),
             ("reprovide-interval", &self.reprovide_interval),

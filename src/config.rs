@@ -7,10 +7,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cli::Flags;
+pub use crate::oci::registry::{Registries, RegistryFilters, registry_host};
+use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 33] = [
+pub const KEYS: [(&str, &str); 34] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -30,7 +32,9 @@ pub const KEYS: [(&str, &str); 33] = [
     ("bootstrap-peers", ""),
     ("bootstrap-dns", ""),
     ("resolve-timeout", "20ms"),
-    ("resolve-latest", "false"),
+    ("resolve-tags", "when-upstream-fails"),
+    // Replaced by resolve-tags: accepted as a key only to say so.
+    ("resolve-latest", ""),
     ("provide-ttl", "30m"),
     ("reprovide-interval", "10m"),
     ("p2p", "true"),
@@ -100,7 +104,7 @@ pub struct P2pSettings {
     pub bootstrap_peers: Vec<libp2p::Multiaddr>,
     pub bootstrap_dns: Option<String>,
     pub resolve_timeout: Duration,
-    pub resolve_latest: bool,
+    pub resolve_tags: ResolveTags,
     pub provide_ttl: Duration,
     pub reprovide_interval: Duration,
     pub peer_connect_timeout: Duration,
@@ -110,80 +114,8 @@ pub struct P2pSettings {
     pub verify_before_serving: u64,
 }
 
-/// Which images are shared with peers: regexes on `registry/repo[:tag]`; a leading `!`
-/// excludes. An image is shared when it matches some inclusion (or there are none) and no
-/// exclusion.
-#[derive(Debug, Clone, Default)]
-pub struct RegistryFilters {
-    filters: Vec<(bool, regex::Regex)>,
-}
-
-impl PartialEq for RegistryFilters {
-    fn eq(&self, other: &Self) -> bool {
-        let key = |f: &RegistryFilters| -> Vec<(bool, String)> {
-            f.filters
-                .iter()
-                .map(|(n, r)| (*n, r.as_str().to_string()))
-                .collect()
-        };
-        key(self) == key(other)
-    }
-}
-
-impl Eq for RegistryFilters {}
-
-impl RegistryFilters {
-    /// Parses `a,b,!c` (or one per line, for regexes that contain commas).
-    pub fn parse(v: &str) -> Result<RegistryFilters, String> {
-        let separator = if v.contains('\n') { '\n' } else { ',' };
-        let mut filters = Vec::new();
-        for item in v.split(separator).map(str::trim).filter(|s| !s.is_empty()) {
-            let (exclude, pattern) = match item.strip_prefix('!') {
-                Some(p) => (true, p),
-                None => (false, item),
-            };
-            // Anchored: a filter names whole image names, not fragments of them.
-            let re = regex::Regex::new(&format!("^(?:{pattern})$"))
-                .map_err(|e| format!("{item:?}: {e}"))?;
-            filters.push((exclude, re));
-        }
-        Ok(RegistryFilters { filters })
-    }
-
-    /// Is the image `registry/repo[:tag]` shared with peers?
-    pub fn allows(&self, name: &str) -> bool {
-        let mut includes = self
-            .filters
-            .iter()
-            .filter(|(exclude, _)| !exclude)
-            .peekable();
-        let included = includes.peek().is_none() || includes.any(|(_, re)| re.is_match(name));
-        included
-            && !self
-                .filters
-                .iter()
-                .any(|(exclude, re)| *exclude && re.is_match(name))
-    }
-}
-
 /// The default port of the peer address, next to the mirror's 5480.
 pub const DEFAULT_PEER_PORT: u16 = 5481;
-
-/// Which registries Ferry mirrors.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Registries {
-    All,
-    Only(Vec<String>),
-}
-
-impl Registries {
-    pub fn includes(&self, registry: &str) -> bool {
-        match self {
-            Registries::All => true,
-            Registries::Only(list) => list.iter().any(|r| r == registry),
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -374,7 +306,7 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         bootstrap_peers,
         bootstrap_dns,
         resolve_timeout: duration("resolve-timeout", &value("resolve-timeout"))?,
-        resolve_latest: boolean("resolve-latest", &value("resolve-latest"))?,
+        resolve_tags: resolve_tags(value)?,
         provide_ttl,
         reprovide_interval,
         peer_connect_timeout: duration("peer-connect-timeout", &value("peer-connect-timeout"))?,
@@ -385,6 +317,22 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         peer_idle_timeout: duration("peer-idle-timeout", &value("peer-idle-timeout"))?,
         verify_before_serving: size("verify-before-serving", &value("verify-before-serving"))?,
     }))
+}
+
+fn resolve_tags(value: &dyn Fn(&str) -> String) -> Result<ResolveTags, ConfigError> {
+    if !value("resolve-latest").is_empty() {
+        return Err(err(
+            "resolve-latest",
+            "replaced by resolve-tags = never | when-upstream-fails | always (latest is no longer special)",
+        ));
+    }
+    let v = value("resolve-tags");
+    v.parse().map_err(|_| {
+        err(
+            "resolve-tags",
+            format!("{v:?}: expected never, when-upstream-fails or always"),
+        )
+    })
 }
 
 fn kubernetes_settings(value: &dyn Fn(&str) -> String) -> Result<KubernetesSettings, ConfigError> {
@@ -570,28 +518,6 @@ fn registries(v: &str) -> Result<Registries, ConfigError> {
         registry_host(host).map_err(|m| err("registries", format!("{host:?}: {m}")))?;
     }
     Ok(Registries::Only(list))
-}
-
-/// `host[:port]`: also the name of its directory in the hosts dir, so no path tricks.
-pub fn registry_host(host: &str) -> Result<(), &'static str> {
-    let (name, port) = match host.rsplit_once(':') {
-        Some((n, p)) => (n, Some(p)),
-        None => (host, None),
-    };
-    let label_ok = |l: &str| {
-        !l.is_empty()
-            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-            && !l.starts_with('-')
-    };
-    if name.len() > 253 || !name.split('.').all(label_ok) {
-        return Err("expected a registry host[:port] such as docker.io or registry.local:5000");
-    }
-    if let Some(p) = port
-        && p.parse::<u16>().map_or(true, |p| p == 0)
-    {
-        return Err("port must be 1-65535");
-    }
-    Ok(())
 }
 
 fn log_format(v: &str) -> Result<LogFormat, ConfigError> {

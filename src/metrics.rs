@@ -53,6 +53,24 @@ pub struct LookupLabels {
     pub result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TagLabels {
+    /// upstream (404 at once: containerd asks the registry), peers (answered from another
+    /// node), none (peers were asked and had nothing)
+    pub answer: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RegistryLabels {
+    pub registry: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProbeLabels {
+    /// answering, refused, timeout, error, status_5xx, status_429
+    pub result: &'static str,
+}
+
 /// Latency buckets in seconds: a local hit answers in well under a millisecond, a large blob
 /// streams for seconds.
 const DURATION_BUCKETS: [f64; 12] = [
@@ -80,6 +98,9 @@ pub struct Metrics {
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
+    pub tag_requests: Family<TagLabels, Counter>,
+    pub upstream_up: Family<RegistryLabels, Gauge>,
+    pub upstream_probes: Family<ProbeLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -107,6 +128,9 @@ impl Metrics {
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
+        let tag_requests = Family::<TagLabels, Counter>::default();
+        let upstream_up = Family::<RegistryLabels, Gauge>::default();
+        let upstream_probes = Family::<ProbeLabels, Counter>::default();
         registry.register(
             "http_requests",
             "Registry API requests by kind, method and status",
@@ -177,6 +201,21 @@ impl Metrics {
             "1 once the containerd hosts.toml mirror entries are written",
             hosts_config_written.clone(),
         );
+        registry.register(
+            "tag_requests",
+            "Tag lookups on the mirror address by answer (upstream: 404 so containerd asks the registry; peers; none)",
+            tag_requests.clone(),
+        );
+        registry.register(
+            "upstream_up",
+            "1 while the registry's last reachability probe got an answer, 0 when it did not (registries in use only)",
+            upstream_up.clone(),
+        );
+        registry.register(
+            "upstream_probes",
+            "Reachability probes of upstream registries (GET /v2/, no credentials) by result",
+            upstream_probes.clone(),
+        );
         Self {
             registry,
             requests,
@@ -193,6 +232,9 @@ impl Metrics {
             lookups,
             containerd_up,
             hosts_config_written,
+            tag_requests,
+            upstream_up,
+            upstream_probes,
         }
     }
 

@@ -155,3 +155,70 @@ fn mirror_url_change_replaces_the_block_in_place() {
     assert!(!second.contains("5480") && second.contains("7000"));
     assert_eq!(hosts::cleanup(&second), Cleaned::Restored(input));
 }
+
+/// The hosts containerd tries for a tag after Ferry's entry: what the upstream probe asks.
+#[test]
+fn upstreams_are_the_operators_resolving_hosts_then_the_server() {
+    use ferry::containerd_config::dir::upstream_roots;
+    use ferry::containerd_config::hosts::upstreams;
+    let mirror = "http://127.0.0.1:5480";
+    let text = r#"server = "https://registry.corp"
+
+[host."http://127.0.0.1:5480"]
+  capabilities = ["pull", "resolve"]
+
+[host."https://pull-only.corp"]
+  capabilities = ["pull"]
+
+[host."https://cache.corp/prefix"]
+  capabilities = ["pull", "resolve"]
+
+[host."https://raw.corp/api"]
+  override_path = true
+"#;
+    let (hosts, server) = upstreams(text, mirror).unwrap();
+    assert_eq!(
+        hosts,
+        ["https://cache.corp/prefix/v2", "https://raw.corp/api"],
+        "Ferry's own entry and pull-only hosts are not asked to resolve"
+    );
+    assert_eq!(server.as_deref(), Some("https://registry.corp/v2"));
+    let (hosts, server) = upstreams("[host.\"http://10.0.0.1:5000\"]\n", mirror).unwrap();
+    assert_eq!(
+        (hosts, server),
+        (vec!["http://10.0.0.1:5000/v2".to_string()], None)
+    );
+
+    // Found where containerd finds them: `<host>_<port>_`, `<host>`, `_default`; without
+    // a file, the registry's default server (plain HTTP for localhost).
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert_eq!(
+        upstream_roots(d, "docker.io", mirror),
+        ["https://registry-1.docker.io/v2"]
+    );
+    assert_eq!(
+        upstream_roots(d, "localhost:5000", mirror),
+        ["http://localhost:5000/v2"]
+    );
+    std::fs::create_dir_all(d.join("_default")).unwrap();
+    std::fs::write(
+        d.join("_default/hosts.toml"),
+        "[host.\"https://global-cache.corp\"]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        upstream_roots(d, "ghcr.io", mirror),
+        ["https://global-cache.corp/v2", "https://ghcr.io/v2"]
+    );
+    std::fs::create_dir_all(d.join("reg.corp_5000_")).unwrap();
+    std::fs::write(
+        d.join("reg.corp_5000_/hosts.toml"),
+        "server = \"http://reg.corp:5000\"\n",
+    )
+    .unwrap();
+    assert_eq!(
+        upstream_roots(d, "reg.corp:5000", mirror),
+        ["http://reg.corp:5000/v2"]
+    );
+}

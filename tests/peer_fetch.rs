@@ -13,6 +13,7 @@ use ferry::app::{Listeners, PeerSetup, Peering, serve};
 use ferry::cli::Flags;
 use ferry::config::{Config, Registries, RegistryFilters};
 use ferry::oci::manifest::OCI_MANIFEST;
+use ferry::registry::ResolveTags;
 use ferry::registry::peer_fetch::PeerFetchConfig;
 use ferry::routing::memory::MemoryNetwork;
 use ferry::routing::sync::SyncConfig;
@@ -151,6 +152,8 @@ fn p2p_setup(
         peer_addr: Some(http.to_string()),
         p2p_addr: Some(p2p.to_string()),
         resolve_timeout: Some("2s".into()),
+        // There is no registry here at all: tags resolve through peers, as air-gapped.
+        resolve_tags: Some("always".into()),
         ..Flags::default()
     };
     if let Some(b) = bootstrap {
@@ -187,6 +190,8 @@ fn memory_peering_verifying(
             addr: http,
         })),
         fetch,
+        // There is no registry here at all: tags resolve through peers, as air-gapped.
+        tags: ResolveTags::Always,
         sync: SyncConfig {
             registries: Registries::All,
             filters: RegistryFilters::default(),

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::hosts::{self, Cleaned, Merged};
-use crate::config::Registries;
+use crate::oci::registry::Registries;
 
 const HOSTS_FILE: &str = "hosts.toml";
 /// The temp file next to `hosts.toml`; renamed over it, so containerd never reads half a file.
@@ -117,6 +117,43 @@ fn configure_one(hosts_dir: &Path, host: &str, mirror_url: &str) -> Result<Outco
             outcome(Action::Updated)
         }
         Err(e) => outcome(Action::Skipped(e.to_string())),
+    }
+}
+
+/// The API roots containerd resolves a tag of `registry` at once Ferry's entry is passed: the
+/// operator's resolving hosts, then the server. Found the way containerd finds them
+/// (`<host>_<port>_`, `<host>`, then `_default`); an unreadable or unparseable file leaves
+/// only the registry's default server, which is what containerd falls back to as well.
+pub fn upstream_roots(hosts_dir: &Path, registry: &str, mirror_url: &str) -> Vec<String> {
+    let default = || hosts::api_root(&default_upstream(registry), false);
+    let mut candidates = Vec::new();
+    if let Some((name, port)) = registry.rsplit_once(':') {
+        candidates.push(hosts_dir.join(format!("{name}_{port}_")));
+    }
+    candidates.push(hosts_dir.join(registry));
+    candidates.push(hosts_dir.join(DEFAULT_DIR));
+    let Some(dir) = candidates.into_iter().find(|d| d.exists()) else {
+        return vec![default()];
+    };
+    let text = fs::read_to_string(dir.join(HOSTS_FILE)).unwrap_or_default();
+    match hosts::upstreams(&text, mirror_url) {
+        Ok((mut roots, server)) => {
+            roots.push(server.unwrap_or_else(default));
+            roots.dedup();
+            roots
+        }
+        Err(_) => vec![default()],
+    }
+}
+
+/// containerd's server for a registry without one configured: plain HTTP for localhost.
+fn default_upstream(registry: &str) -> String {
+    let host = registry.rsplit_once(':').map_or(registry, |(h, _)| h);
+    let local = host == "localhost" || host.starts_with("127.") || host == "[::1]";
+    if local {
+        format!("http://{registry}")
+    } else {
+        hosts::default_server(registry)
     }
 }
 

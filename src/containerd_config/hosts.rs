@@ -307,3 +307,62 @@ fn find_line(text: &str, line: &str, from: usize) -> Option<usize> {
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
+
+/// The API roots containerd tries for a tag after Ferry's entry, in its order: the operator's
+/// hosts that may resolve, then `server` (`None` when the file names none: containerd then
+/// uses the registry's default). Each root ends in `/v2` unless the host has `override_path`,
+/// as containerd builds them (remotes/docker/config/hosts.go, `parseHostConfig`).
+pub fn upstreams(
+    text: &str,
+    mirror_url: &str,
+) -> Result<(Vec<String>, Option<String>), MergeError> {
+    let doc =
+        Document::parse(text).map_err(|e| MergeError::Unparseable(one_line(&e.to_string())))?;
+    let mut hosts = host_tables(&doc)?;
+    hosts.sort_by_key(|(_, start)| *start);
+    let api_root = |url: &str, table: &dyn toml_edit::TableLike| {
+        let override_path = table
+            .get("override_path")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        api_root(url, override_path)
+    };
+    let resolves = |table: &dyn toml_edit::TableLike| match table.get("capabilities") {
+        Some(caps) => caps.as_array().is_some_and(|a| {
+            a.iter().any(|c| {
+                c.as_str()
+                    .is_some_and(|c| c.eq_ignore_ascii_case("resolve"))
+            })
+        }),
+        // No capabilities: containerd grants pull, resolve and push.
+        None => true,
+    };
+    let listed = hosts
+        .iter()
+        .filter(|(url, _)| url != mirror_url)
+        .filter_map(|(url, _)| {
+            let table = doc.get("host")?.get(url)?.as_table_like()?;
+            resolves(table).then(|| api_root(url, table))
+        })
+        .collect();
+    let server = doc
+        .get("server")
+        .and_then(|v| v.as_str())
+        .filter(|s| !s.is_empty())
+        .map(|s| api_root(s, doc.as_table()));
+    Ok((listed, server))
+}
+
+/// `scheme://host[/path]` to the API root containerd requests under.
+pub fn api_root(url: &str, override_path: bool) -> String {
+    let url = if url.starts_with("http") {
+        url.to_string()
+    } else {
+        format!("https://{url}")
+    };
+    let url = url.trim_end_matches('/');
+    if override_path || url.ends_with("/v2") {
+        return url.to_string();
+    }
+    format!("{url}/v2")
+}

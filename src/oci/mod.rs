@@ -9,6 +9,7 @@ pub mod manifest;
 pub mod path;
 pub mod range;
 pub mod reference;
+pub mod registry;
 
 pub use digest::{Digest, DigestError};
 pub use error::{ErrorCode, error_body};

@@ -1,4 +1,7 @@
-//! Serving from this node's own content store.
+//! Serving from this node's own content store. Both addresses use it: the mirror for
+//! digests, the peer address for digests and tags.
+
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -6,147 +9,165 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
-use super::{ApiError, RegistryState};
-use crate::metrics::{LookupLabels, SourceLabels};
+use super::ApiError;
+use crate::metrics::{LookupLabels, Metrics, SourceLabels};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
-use crate::store::StoreError;
+use crate::store::{ContentStore, StoreError};
 
-pub(super) async fn manifest(
-    state: &RegistryState,
-    head: bool,
-    ns: Option<&str>,
-    name: &str,
-    reference: Reference,
-) -> Result<Response, ApiError> {
-    let (digest, declared) = match reference {
-        Reference::Tag(tag) => {
-            // Without the registry, `name:tag` is ambiguous across registries: a miss.
-            let ns = ns.ok_or(ApiError::ManifestUnknown)?;
-            let found = state.store.resolve(ns, name, &tag).await;
-            record(state, "manifest", &found);
-            let desc = found.map_err(ApiError::manifest)?;
-            (desc.digest, desc.media_type)
-        }
-        Reference::Digest(digest) => (digest, None),
-    };
-    let found = state.store.descriptor(&digest).await;
-    if declared.is_none() {
-        record(state, "manifest", &found);
-    }
-    let desc = found.map_err(ApiError::manifest)?;
-    if desc.size > MAX_MANIFEST_BYTES {
-        return Err(ApiError::ManifestUnknown);
-    }
-    let stream = state
-        .store
-        .open(&digest, None)
-        .await
-        .map_err(ApiError::manifest)?;
-    let chunks: Vec<Bytes> = stream
-        .try_collect()
-        .await
-        .map_err(|e| ApiError::manifest(StoreError::Io(e)))?;
-    let bytes = Bytes::from(chunks.concat());
-    if !digest.matches(&bytes) {
-        tracing::error!(%digest, "stored manifest does not match its digest; not serving it");
-        return Err(ApiError::ManifestUnknown);
-    }
-    let media_type = declared
-        .filter(|t| is_manifest_media_type(t))
-        .or_else(|| sniff_media_type(&bytes).map(str::to_string))
-        .ok_or(ApiError::ManifestUnknown)?;
-    let mut response = Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, media_type)
-        .header(header::CONTENT_LENGTH, bytes.len())
-        .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string());
-    if head {
-        return Ok(response.body(Body::empty()).unwrap_or_default());
-    }
-    state
-        .metrics
-        .bytes_served
-        .get_or_create(&SourceLabels {
-            kind: "manifest",
-            source: "local",
-        })
-        .inc_by(bytes.len() as u64);
-    response = response.header(header::ETAG, format!("\"{digest}\""));
-    Ok(response.body(Body::from(bytes)).unwrap_or_default())
+/// This node's content, and where its lookups are counted.
+#[derive(Clone)]
+pub(super) struct Local {
+    pub store: Arc<dyn ContentStore>,
+    pub metrics: Arc<Metrics>,
 }
 
-pub(super) async fn blob(
-    state: &RegistryState,
-    head: bool,
-    headers: &HeaderMap,
-    digest: &Digest,
-) -> Result<Response, ApiError> {
-    let found = state.store.descriptor(digest).await;
-    record(state, "blob", &found);
-    let desc = found.map_err(ApiError::blob)?;
-    let range = match headers.get(header::RANGE) {
-        Some(v) => {
-            let v = v
-                .to_str()
-                .map_err(|_| oci::RangeError::Malformed("not ASCII"))?;
-            Some(oci::range::parse(v, desc.size)?)
+impl Local {
+    /// A manifest by digest, or by tag as this node's image store names it (the peer
+    /// address only: the mirror never answers a tag from here).
+    pub async fn manifest(
+        &self,
+        head: bool,
+        ns: Option<&str>,
+        name: &str,
+        reference: Reference,
+    ) -> Result<Response, ApiError> {
+        let (digest, declared) = match reference {
+            Reference::Tag(tag) => {
+                // Without the registry, `name:tag` is ambiguous across registries: a miss.
+                let ns = ns.ok_or(ApiError::ManifestUnknown)?;
+                let found = self.store.resolve(ns, name, &tag).await;
+                self.record("manifest", &found);
+                let desc = found.map_err(ApiError::manifest)?;
+                (desc.digest, desc.media_type)
+            }
+            Reference::Digest(digest) => (digest, None),
+        };
+        self.manifest_by_digest(head, digest, declared).await
+    }
+
+    async fn manifest_by_digest(
+        &self,
+        head: bool,
+        digest: Digest,
+        declared: Option<String>,
+    ) -> Result<Response, ApiError> {
+        let found = self.store.descriptor(&digest).await;
+        if declared.is_none() {
+            self.record("manifest", &found);
         }
-        None => None,
-    };
-    let (status, length) = match range {
-        Some(r) => (StatusCode::PARTIAL_CONTENT, r.len()),
-        None => (StatusCode::OK, desc.size),
-    };
-    let mut response = Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "application/octet-stream")
-        .header(header::CONTENT_LENGTH, length)
-        .header(header::ACCEPT_RANGES, "bytes")
-        .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string())
-        .header(header::ETAG, format!("\"{digest}\""));
-    if let Some(r) = range
-        && let Ok(v) = HeaderValue::from_str(&r.content_range(desc.size))
-    {
-        response = response.header(header::CONTENT_RANGE, v);
-    }
-    if head {
-        return Ok(response.body(Body::empty()).unwrap_or_default());
-    }
-    let stream = state
-        .store
-        .open(digest, range)
-        .await
-        .map_err(ApiError::blob)?;
-    let counter = state
-        .metrics
-        .bytes_served
-        .get_or_create(&SourceLabels {
-            kind: "blob",
-            source: "local",
-        })
-        .clone();
-    // Content-Length is set, so a stream that ends early or errors makes hyper drop the
-    // connection: containerd sees a failed transfer, never a short blob.
-    let body = Body::from_stream(
-        stream
-            .inspect_ok(move |chunk| {
-                counter.inc_by(chunk.len() as u64);
+        let desc = found.map_err(ApiError::manifest)?;
+        if desc.size > MAX_MANIFEST_BYTES {
+            return Err(ApiError::ManifestUnknown);
+        }
+        let stream = self
+            .store
+            .open(&digest, None)
+            .await
+            .map_err(ApiError::manifest)?;
+        let chunks: Vec<Bytes> = stream
+            .try_collect()
+            .await
+            .map_err(|e| ApiError::manifest(StoreError::Io(e)))?;
+        let bytes = Bytes::from(chunks.concat());
+        if !digest.matches(&bytes) {
+            tracing::error!(%digest, "stored manifest does not match its digest; not serving it");
+            return Err(ApiError::ManifestUnknown);
+        }
+        let media_type = declared
+            .filter(|t| is_manifest_media_type(t))
+            .or_else(|| sniff_media_type(&bytes).map(str::to_string))
+            .ok_or(ApiError::ManifestUnknown)?;
+        let mut response = Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, media_type)
+            .header(header::CONTENT_LENGTH, bytes.len())
+            .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string());
+        if head {
+            return Ok(response.body(Body::empty()).unwrap_or_default());
+        }
+        self.metrics
+            .bytes_served
+            .get_or_create(&SourceLabels {
+                kind: "manifest",
+                source: "local",
             })
-            .boxed(),
-    );
-    Ok(response.body(body).unwrap_or_default())
-}
+            .inc_by(bytes.len() as u64);
+        response = response.header(header::ETAG, format!("\"{digest}\""));
+        Ok(response.body(Body::from(bytes)).unwrap_or_default())
+    }
 
-fn record<T>(state: &RegistryState, kind: &'static str, found: &Result<T, StoreError>) {
-    let result = match found {
-        Ok(_) => "hit",
-        Err(StoreError::NotFound) => "miss",
-        Err(_) => "unavailable",
-    };
-    state
-        .metrics
-        .lookups
-        .get_or_create(&LookupLabels { kind, result })
-        .inc();
+    pub async fn blob(
+        &self,
+        head: bool,
+        headers: &HeaderMap,
+        digest: &Digest,
+    ) -> Result<Response, ApiError> {
+        let found = self.store.descriptor(digest).await;
+        self.record("blob", &found);
+        let desc = found.map_err(ApiError::blob)?;
+        let range = match headers.get(header::RANGE) {
+            Some(v) => {
+                let v = v
+                    .to_str()
+                    .map_err(|_| oci::RangeError::Malformed("not ASCII"))?;
+                Some(oci::range::parse(v, desc.size)?)
+            }
+            None => None,
+        };
+        let (status, length) = match range {
+            Some(r) => (StatusCode::PARTIAL_CONTENT, r.len()),
+            None => (StatusCode::OK, desc.size),
+        };
+        let mut response = Response::builder()
+            .status(status)
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .header(header::CONTENT_LENGTH, length)
+            .header(header::ACCEPT_RANGES, "bytes")
+            .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string())
+            .header(header::ETAG, format!("\"{digest}\""));
+        if let Some(r) = range
+            && let Ok(v) = HeaderValue::from_str(&r.content_range(desc.size))
+        {
+            response = response.header(header::CONTENT_RANGE, v);
+        }
+        if head {
+            return Ok(response.body(Body::empty()).unwrap_or_default());
+        }
+        let stream = self
+            .store
+            .open(digest, range)
+            .await
+            .map_err(ApiError::blob)?;
+        let counter = self
+            .metrics
+            .bytes_served
+            .get_or_create(&SourceLabels {
+                kind: "blob",
+                source: "local",
+            })
+            .clone();
+        // Content-Length is set, so a stream that ends early or errors makes hyper drop the
+        // connection: containerd sees a failed transfer, never a short blob.
+        let body = Body::from_stream(
+            stream
+                .inspect_ok(move |chunk| {
+                    counter.inc_by(chunk.len() as u64);
+                })
+                .boxed(),
+        );
+        Ok(response.body(body).unwrap_or_default())
+    }
+
+    fn record<T>(&self, kind: &'static str, found: &Result<T, StoreError>) {
+        let result = match found {
+            Ok(_) => "hit",
+            Err(StoreError::NotFound) => "miss",
+            Err(_) => "unavailable",
+        };
+        self.metrics
+            .lookups
+            .get_or_create(&LookupLabels { kind, result })
+            .inc();
+    }
 }

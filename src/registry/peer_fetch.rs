@@ -45,8 +45,6 @@ pub struct PeerRequest<'a> {
 pub struct PeerFetchConfig {
     /// How long a lookup may take before the miss goes upstream.
     pub resolve_timeout: Duration,
-    /// Whether `latest` tags are resolved through peers (mutable: stale is worse than a miss).
-    pub resolve_latest: bool,
     /// Bound on the TCP connect to a peer.
     pub connect_timeout: Duration,
     /// Bound from sending a request to a peer's response headers.
@@ -62,7 +60,6 @@ impl PeerFetchConfig {
     pub fn with_resolve_timeout(resolve_timeout: Duration) -> Self {
         PeerFetchConfig {
             resolve_timeout,
-            resolve_latest: false,
             connect_timeout: Duration::from_millis(500),
             first_byte_timeout: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(5),
@@ -284,12 +281,8 @@ impl PeerFetcher {
     pub async fn manifest(&self, req: PeerRequest<'_>, reference: Reference) -> Option<Response> {
         let key = match &reference {
             Reference::Digest(d) => digest_key(d),
-            Reference::Tag(tag) => {
-                if tag == "latest" && !self.config.resolve_latest {
-                    return None;
-                }
-                tag_key(req.ns?, req.name, tag)
-            }
+            // Whether a tag may be resolved here at all is the mirror's decision (tags.rs).
+            Reference::Tag(tag) => tag_key(req.ns?, req.name, tag),
         };
         let path = format!("/v2/{}/manifests/{reference}", req.name);
         for peer in self.providers(&key).await {

@@ -1,5 +1,6 @@
-//! The handlers over the in-memory store: the logic above the store, without containerd.
+//! The two routers over the in-memory store: the logic above the store, without containerd.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -8,11 +9,12 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
-use super::{RegistryState, router};
-use crate::config::Registries;
+use super::{MirrorState, PeerApiState, ResolveTags, mirror, peer_api};
 use crate::metrics::Metrics;
 use crate::oci::Digest;
 use crate::oci::manifest::{DOCKER_MANIFEST, OCI_MANIFEST};
+use crate::oci::registry::Registries;
+use crate::routing::{digest_key, tag_key};
 use crate::store::memory::MemoryStore;
 
 struct Fixture {
@@ -43,19 +45,57 @@ fn fixture() -> Fixture {
     }
 }
 
+/// Which address a request is sent to.
+#[derive(Clone, Copy, PartialEq)]
+enum Address {
+    Mirror,
+    /// The peer address, advertising everything in the fixture.
+    Peer,
+}
+
 async fn call(
     f: &Fixture,
     registries: Registries,
     method: &str,
     uri: &str,
 ) -> (StatusCode, axum::http::HeaderMap, Bytes) {
-    let app = router(RegistryState {
-        store: f.store.clone(),
-        registries,
-        metrics: f.metrics.clone(),
-        peers: None,
-        guard: None,
-    });
+    call_at(f, Address::Mirror, registries, method, uri).await
+}
+
+async fn call_at(
+    f: &Fixture,
+    address: Address,
+    registries: Registries,
+    method: &str,
+    uri: &str,
+) -> (StatusCode, axum::http::HeaderMap, Bytes) {
+    let app = match address {
+        Address::Mirror => mirror::router(MirrorState {
+            store: f.store.clone(),
+            registries,
+            metrics: f.metrics.clone(),
+            peers: None,
+            tags: ResolveTags::Always,
+            upstream: None,
+        }),
+        Address::Peer => {
+            let keys: BTreeSet<String> = [
+                digest_key(&f.manifest),
+                digest_key(&f.layer),
+                tag_key("docker.io", "library/app", "1.0"),
+            ]
+            .into_iter()
+            .collect();
+            let (_tx, exposed) = tokio::sync::watch::channel(Arc::new(keys));
+            peer_api::router(PeerApiState {
+                store: f.store.clone(),
+                registries,
+                metrics: f.metrics.clone(),
+                secret: None,
+                exposed,
+            })
+        }
+    };
     let request = Request::builder()
         .method(method)
         .uri(uri)
@@ -82,10 +122,43 @@ fn code(body: &[u8]) -> String {
 }
 
 #[tokio::test]
-async fn tags_resolve_with_the_registry_from_ns() {
+async fn the_mirror_never_answers_a_tag_from_the_nodes_own_store() {
     let f = fixture();
-    let (status, headers, body) = call(
+    // The node has docker.io/library/app:1.0, yet the mirror says 404 at once: containerd
+    // asks because it wants the registry's answer, not the record it already holds.
+    for method in ["HEAD", "GET"] {
+        let (status, _, _) = call(
+            &f,
+            Registries::All,
+            method,
+            "/v2/library/app/manifests/1.0?ns=docker.io",
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{method}");
+    }
+    let text = f.metrics.encode();
+    assert!(
+        text.contains(r#"ferry_tag_requests_total{answer="upstream"} 2"#),
+        "{text}"
+    );
+    // By digest, the same manifest is served from the store.
+    let (status, _, body) = call(
         &f,
+        Registries::All,
+        "GET",
+        &format!("/v2/library/app/manifests/{}?ns=docker.io", f.manifest),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(f.manifest.matches(&body));
+}
+
+#[tokio::test]
+async fn the_peer_address_resolves_tags_with_the_registry_from_ns() {
+    let f = fixture();
+    let (status, headers, body) = call_at(
+        &f,
+        Address::Peer,
         Registries::All,
         "GET",
         "/v2/library/app/manifests/1.0?ns=docker.io",
@@ -104,7 +177,7 @@ async fn tags_resolve_with_the_registry_from_ns() {
         "/v2/library/app/manifests/1.0",
         "/v2/library/app/manifests/1.0?ns=ghcr.io",
     ] {
-        let (status, _, body) = call(&f, Registries::All, "GET", uri).await;
+        let (status, _, body) = call_at(&f, Address::Peer, Registries::All, "GET", uri).await;
         assert_eq!(
             (status, code(&body).as_str()),
             (StatusCode::NOT_FOUND, "MANIFEST_UNKNOWN"),

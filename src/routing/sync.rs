@@ -15,10 +15,10 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{Router, digest_key, tag_key};
-use crate::config::{Registries, RegistryFilters};
 use crate::metrics::Metrics;
 use crate::oci::Digest;
 use crate::oci::manifest::MAX_MANIFEST_BYTES;
+use crate::oci::registry::{Registries, RegistryFilters};
 use crate::store::{ContentStore, ImageRecord};
 
 /// Events arrive in bursts (one pull creates content, then the image); wait this long for the

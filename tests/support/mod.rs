@@ -418,7 +418,19 @@ pub struct Image {
 }
 
 impl Image {
+    /// Random layers seeded by `tag`: the same tag gives the same image.
     pub fn generate(dir: &Path, tag: &str, layers: usize, bytes_per_layer: usize) -> Image {
+        Self::generate_seeded(dir, tag, layers, bytes_per_layer, tag)
+    }
+
+    /// As [`Image::generate`] with another seed: a different image under the same tag.
+    pub fn generate_seeded(
+        dir: &Path,
+        tag: &str,
+        layers: usize,
+        bytes_per_layer: usize,
+        seed: &str,
+    ) -> Image {
         require("python3");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/make_image.py");
         let out = Command::new("python3")
@@ -427,6 +439,7 @@ impl Image {
             .arg(tag)
             .arg(layers.to_string())
             .arg(bytes_per_layer.to_string())
+            .arg(seed)
             .output()
             .expect("run make_image.py");
         assert!(

@@ -1,0 +1,96 @@
+//! Which registries Ferry mirrors and which images it shares: domain values that the
+//! registry, the store-to-DHT sync and the hosts.toml writer all need, parsed by `config`.
+
+/// Which registries Ferry mirrors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Registries {
+    All,
+    Only(Vec<String>),
+}
+
+impl Registries {
+    pub fn includes(&self, registry: &str) -> bool {
+        match self {
+            Registries::All => true,
+            Registries::Only(list) => list.iter().any(|r| r == registry),
+        }
+    }
+}
+
+/// Which images are shared with peers: regexes on `registry/repo[:tag]`; a leading `!`
+/// excludes. An image is shared when it matches some inclusion (or there are none) and no
+/// exclusion.
+#[derive(Debug, Clone, Default)]
+pub struct RegistryFilters {
+    filters: Vec<(bool, regex::Regex)>,
+}
+
+impl PartialEq for RegistryFilters {
+    fn eq(&self, other: &Self) -> bool {
+        let key = |f: &RegistryFilters| -> Vec<(bool, String)> {
+            f.filters
+                .iter()
+                .map(|(n, r)| (*n, r.as_str().to_string()))
+                .collect()
+        };
+        key(self) == key(other)
+    }
+}
+
+impl Eq for RegistryFilters {}
+
+impl RegistryFilters {
+    /// Parses `a,b,!c` (or one per line, for regexes that contain commas).
+    pub fn parse(v: &str) -> Result<RegistryFilters, String> {
+        let separator = if v.contains('\n') { '\n' } else { ',' };
+        let mut filters = Vec::new();
+        for item in v.split(separator).map(str::trim).filter(|s| !s.is_empty()) {
+            let (exclude, pattern) = match item.strip_prefix('!') {
+                Some(p) => (true, p),
+                None => (false, item),
+            };
+            // Anchored: a filter names whole image names, not fragments of them.
+            let re = regex::Regex::new(&format!("^(?:{pattern})$"))
+                .map_err(|e| format!("{item:?}: {e}"))?;
+            filters.push((exclude, re));
+        }
+        Ok(RegistryFilters { filters })
+    }
+
+    /// Is the image `registry/repo[:tag]` shared with peers?
+    pub fn allows(&self, name: &str) -> bool {
+        let mut includes = self
+            .filters
+            .iter()
+            .filter(|(exclude, _)| !exclude)
+            .peekable();
+        let included = includes.peek().is_none() || includes.any(|(_, re)| re.is_match(name));
+        included
+            && !self
+                .filters
+                .iter()
+                .any(|(exclude, re)| *exclude && re.is_match(name))
+    }
+}
+
+/// `host[:port]`: also the name of its directory in the hosts dir, so no path tricks.
+pub fn registry_host(host: &str) -> Result<(), &'static str> {
+    let (name, port) = match host.rsplit_once(':') {
+        Some((n, p)) => (n, Some(p)),
+        None => (host, None),
+    };
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+    };
+    if name.len() > 253 || !name.split('.').all(label_ok) {
+        return Err("expected a registry host[:port] such as docker.io or registry.local:5000");
+    }
+    if let Some(p) = port
+        && p.parse::<u16>().map_or(true, |p| p == 0)
+    {
+        return Err("port must be 1-65535");
+    }
+    Ok(())
+}

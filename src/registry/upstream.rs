@@ -1,0 +1,438 @@
+//! Is the upstream registry answering? The mirror resolves a tag through peers only when it
+//! is not (`--resolve-tags when-upstream-fails`), so this is what keeps tags fresh.
+//!
+//! Why a probe, and why this one. containerd (1.6 and 1.7, `remotes/docker/resolver.go`)
+//! resolves a tag by sending `HEAD /v2/<name>/manifests/<tag>` to each resolve-capable host in
+//! `hosts.toml` order, the server last, and moves on after a transport error, a 404 or any
+//! status above 399; it never comes back to an earlier host. Ferry is first, so it must decide
+//! before containerd has tried the registry, and it must decide at once (a healthy pull by tag
+//! may not wait for a round trip to the registry). An entry *after* the server cannot be
+//! written: containerd always appends the server last, and `_default/hosts.toml` (every
+//! registry, the default) has no server to repeat. So each node keeps a verdict per registry,
+//! refreshed in the background: `GET <api root>/` (`/v2/`) on the hosts containerd would try
+//! after Ferry, with no credentials, at most once per [`PROBE_INTERVAL`], only while the
+//! registry is in use. The request goes through the same `HTTPS_PROXY`/`NO_PROXY` environment
+//! that containerd's Go client reads; certificates are not checked, because the probe sends
+//! nothing and reads only whether an HTTP server answered (a private CA must not look like
+//! an outage).
+//!
+//! A registry answers when any of those hosts sends an HTTP status below 500 other than 429
+//! (`/v2/` is 200 or 401 on every registry). Refused, reset, timed out, 5xx or 429: it does
+//! not answer, and tags resolve through peers until a probe says otherwise.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use tokio_util::sync::CancellationToken;
+
+use crate::containerd_config::dir::upstream_roots;
+use crate::metrics::{Metrics, ProbeLabels, RegistryLabels};
+
+/// A registry in use is probed this often: an outage is noticed within this, and a node sends
+/// each registry at most 6 probes a minute.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(10);
+/// A probe gets no answer within this: the registry is not answering (containerd's own dial
+/// timeout is 30 s; a registry this slow to say `/v2/` fails pulls anyway).
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A registry with no request on the mirror for this long is no longer probed (named
+/// registries excepted: they are probed for as long as Ferry runs).
+const IDLE_AFTER: Duration = Duration::from_secs(300);
+
+/// What the last probe of a registry found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not probed yet (first use since start or since it went idle): treated as answering,
+    /// so a pull never waits for a probe.
+    Unknown,
+    Answering,
+    NotAnswering(Failure),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    Refused,
+    Timeout,
+    /// Reset, TLS or protocol failure, DNS.
+    Error,
+    Status5xx,
+    RateLimited,
+}
+
+impl Failure {
+    pub fn label(self) -> &'static str {
+        match self {
+            Failure::Refused => "refused",
+            Failure::Timeout => "timeout",
+            Failure::Error => "error",
+            Failure::Status5xx => "status_5xx",
+            Failure::RateLimited => "status_429",
+        }
+    }
+}
+
+/// Settings, as values (built in `app.rs`).
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    /// containerd's hosts dir: where the hosts tried after Ferry are listed.
+    pub hosts_dir: PathBuf,
+    /// Ferry's own entry there, skipped.
+    pub mirror_url: String,
+    /// Registries probed from the start (`--registries`), before their first pull.
+    pub watched: Vec<String>,
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot build the probe's HTTP client: {0}")]
+pub struct UpstreamError(#[from] reqwest::Error);
+
+/// A cloneable handle on the verdicts. The map is the only state; each registry in use has
+/// one task that probes it and writes its verdict there.
+#[derive(Clone)]
+pub struct UpstreamWatch {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: UpstreamConfig,
+    client: reqwest::Client,
+    metrics: Arc<Metrics>,
+    token: CancellationToken,
+    registries: Mutex<HashMap<String, Entry>>,
+}
+
+struct Entry {
+    verdict: Verdict,
+    used: Instant,
+}
+
+impl std::fmt::Debug for UpstreamWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamWatch")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamWatch {
+    /// Starts probing the named registries; others start on their first use. Probes stop
+    /// when `token` is cancelled.
+    pub fn start(
+        config: UpstreamConfig,
+        metrics: Arc<Metrics>,
+        token: CancellationToken,
+    ) -> Result<UpstreamWatch, UpstreamError> {
+        let client = client(config.timeout)?;
+        let watch = UpstreamWatch {
+            inner: Arc::new(Inner {
+                config,
+                client,
+                metrics,
+                token,
+                registries: Mutex::new(HashMap::new()),
+            }),
+        };
+        for registry in watch.inner.config.watched.clone() {
+            watch.track(&registry);
+        }
+        Ok(watch)
+    }
+
+    /// The last verdict on `registry`, which is now in use. Never waits: a registry not
+    /// probed yet is `Unknown`, and its first probe starts now.
+    pub fn verdict(&self, registry: &str) -> Verdict {
+        self.track(registry)
+    }
+
+    fn track(&self, registry: &str) -> Verdict {
+        let mut registries = self.lock();
+        if let Some(entry) = registries.get_mut(registry) {
+            entry.used = Instant::now();
+            return entry.verdict;
+        }
+        registries.insert(
+            registry.to_string(),
+            Entry {
+                verdict: Verdict::Unknown,
+                used: Instant::now(),
+            },
+        );
+        drop(registries);
+        let keep = self.inner.config.watched.iter().any(|r| r == registry);
+        tokio::spawn(watch(self.inner.clone(), registry.to_string(), keep));
+        Verdict::Unknown
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.inner
+            .registries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The probing task of one registry: probe, record, wait; ends when the registry has been
+/// idle for [`IDLE_AFTER`] (unless `keep`) or on shutdown.
+async fn watch(inner: Arc<Inner>, registry: String, keep: bool) {
+    let labels = RegistryLabels {
+        registry: registry.clone(),
+    };
+    let mut last = Verdict::Unknown;
+    loop {
+        let (hosts_dir, mirror_url) = (
+            inner.config.hosts_dir.clone(),
+            inner.config.mirror_url.clone(),
+        );
+        let name = registry.clone();
+        let roots =
+            tokio::task::spawn_blocking(move || upstream_roots(&hosts_dir, &name, &mirror_url))
+                .await
+                .unwrap_or_default();
+        let verdict = tokio::select! {
+            _ = inner.token.cancelled() => return,
+            v = probe(&inner.client, &roots) => v,
+        };
+        let result = match verdict {
+            Verdict::NotAnswering(f) => f.label(),
+            _ => "answering",
+        };
+        inner
+            .metrics
+            .upstream_probes
+            .get_or_create(&ProbeLabels { result })
+            .inc();
+        inner
+            .metrics
+            .upstream_up
+            .get_or_create(&labels)
+            .set(i64::from(verdict == Verdict::Answering));
+        match (last, verdict) {
+            (Verdict::NotAnswering(_), Verdict::Answering) => {
+                tracing::info!(%registry, "registry answers again: tags resolve upstream")
+            }
+            (Verdict::Answering | Verdict::Unknown, Verdict::NotAnswering(f)) => tracing::warn!(
+                %registry,
+                hosts = ?roots,
+                reason = f.label(),
+                "registry is not answering: tags resolve through peers until it does"
+            ),
+            _ => {}
+        }
+        last = verdict;
+        {
+            let mut registries = inner.registries.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(entry) = registries.get_mut(&registry) else {
+                return;
+            };
+            entry.verdict = verdict;
+        }
+        tokio::select! {
+            _ = inner.token.cancelled() => return,
+            _ = tokio::time::sleep(inner.config.interval) => {}
+        }
+        let mut registries = inner.registries.lock().unwrap_or_else(|e| e.into_inner());
+        let idle = registries
+            .get(&registry)
+            .is_none_or(|e| e.used.elapsed() > IDLE_AFTER);
+        if idle && !keep {
+            registries.remove(&registry);
+            inner.metrics.upstream_up.remove(&labels);
+            tracing::debug!(%registry, "registry idle: no longer probed");
+            return;
+        }
+    }
+}
+
+/// The probe's client: proxies from the environment (as containerd's), no certificate checks
+/// (see the module docs), no redirects followed (any answer is an answer).
+fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(timeout)
+        .tls_danger_accept_invalid_certs(true)
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!(
+            "ferry/",
+            env!("CARGO_PKG_VERSION"),
+            " (reachability probe)"
+        ))
+        .build()
+}
+
+/// `GET <root>/` on each API root in turn: the first that answers decides; if none does, the
+/// first failure is the reason.
+pub async fn probe(client: &reqwest::Client, roots: &[String]) -> Verdict {
+    let mut first_failure = None;
+    for root in roots {
+        let failure = match client.get(format!("{root}/")).send().await {
+            Ok(r) if r.status() == StatusCode::TOO_MANY_REQUESTS => Failure::RateLimited,
+            Ok(r) if r.status().is_server_error() => Failure::Status5xx,
+            Ok(_) => return Verdict::Answering,
+            Err(e) if e.is_timeout() => Failure::Timeout,
+            Err(e) if e.is_connect() && refused(&e) => Failure::Refused,
+            Err(_) => Failure::Error,
+        };
+        first_failure.get_or_insert(failure);
+    }
+    Verdict::NotAnswering(first_failure.unwrap_or(Failure::Error))
+}
+
+/// Whether a connect error was a refused connection (as opposed to unreachable, DNS, TLS).
+fn refused(e: &reqwest::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return io.kind() == std::io::ErrorKind::ConnectionRefused;
+        }
+        source = s.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::Router;
+    use axum::routing::get;
+
+    /// A registry's `/v2/` answering with `status`, on a loopback port.
+    async fn registry(status: StatusCode) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let app = Router::new().route("/v2/", get(move || async move { status }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}/v2")
+    }
+
+    /// A loopback port with nothing listening (bound, then closed).
+    async fn closed_port() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        drop(listener);
+        format!("http://{addr}/v2")
+    }
+
+    #[tokio::test]
+    async fn answers_are_answers_and_outages_are_not() {
+        let client = client(Duration::from_millis(500)).expect("client");
+        for (status, expected) in [
+            (StatusCode::OK, Verdict::Answering),
+            (StatusCode::UNAUTHORIZED, Verdict::Answering),
+            (StatusCode::NOT_FOUND, Verdict::Answering),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Verdict::NotAnswering(Failure::Status5xx),
+            ),
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                Verdict::NotAnswering(Failure::RateLimited),
+            ),
+        ] {
+            let root = registry(status).await;
+            assert_eq!(probe(&client, &[root]).await, expected, "{status}");
+        }
+        let closed = closed_port().await;
+        assert_eq!(
+            probe(&client, std::slice::from_ref(&closed)).await,
+            Verdict::NotAnswering(Failure::Refused)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_registry_that_accepts_but_never_answers_times_out() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        // Accepts and holds the connection, never writes.
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let client = client(Duration::from_millis(200)).expect("client");
+        assert_eq!(
+            probe(&client, &[format!("http://{addr}/v2")]).await,
+            Verdict::NotAnswering(Failure::Timeout)
+        );
+    }
+
+    #[tokio::test]
+    async fn any_host_containerd_would_try_answering_is_enough() {
+        let client = client(Duration::from_millis(500)).expect("client");
+        let down = closed_port().await;
+        let up = registry(StatusCode::UNAUTHORIZED).await;
+        assert_eq!(
+            probe(&client, &[down.clone(), up]).await,
+            Verdict::Answering
+        );
+        let failing = registry(StatusCode::BAD_GATEWAY).await;
+        assert_eq!(
+            probe(&client, &[down, failing]).await,
+            Verdict::NotAnswering(Failure::Refused),
+            "the first failure is the reason"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_watch_follows_the_registry_down_and_up_again() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        drop(listener);
+        let registry = format!("127.0.0.1:{}", addr.port());
+        let metrics = Arc::new(Metrics::new());
+        let token = CancellationToken::new();
+        let watch = UpstreamWatch::start(
+            UpstreamConfig {
+                hosts_dir: dir.path().to_path_buf(),
+                mirror_url: "http://127.0.0.1:5480".into(),
+                watched: Vec::new(),
+                interval: Duration::from_millis(50),
+                timeout: Duration::from_millis(500),
+            },
+            metrics.clone(),
+            token.clone(),
+        )
+        .expect("watch");
+        // First use: not probed yet, so treated as answering; nothing waits for the probe.
+        assert_eq!(watch.verdict(&registry), Verdict::Unknown);
+        let settle = |want: Verdict| {
+            let watch = watch.clone();
+            let registry = registry.clone();
+            async move {
+                for _ in 0..200 {
+                    if watch.verdict(&registry) == want {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("verdict never became {want:?}");
+            }
+        };
+        // Nothing on that port (a localhost registry defaults to plain HTTP).
+        settle(Verdict::NotAnswering(Failure::Refused)).await;
+        assert!(
+            metrics
+                .encode()
+                .contains(&format!("ferry_upstream_up{{registry=\"{registry}\"}} 0")),
+            "{}",
+            metrics.encode()
+        );
+        // The registry comes back on the same port.
+        let listener = tokio::net::TcpListener::bind(addr).await.expect("rebind");
+        let app = Router::new().route("/v2/", get(|| async { StatusCode::UNAUTHORIZED }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        settle(Verdict::Answering).await;
+        token.cancel();
+    }
+}
