@@ -5,8 +5,10 @@
 #      node with its own containerd and its own ferry (node 2 bootstraps from node 1);
 #   3. pushes a generated 3-layer image to the upstream registry;
 #   4. node 1 pulls it: nobody has it yet, ferry answers 404 and containerd goes upstream;
-#   5. node 2 pulls it: ferry finds node 1 in the DHT and streams every blob from node 1's
-#      containerd store; the upstream registry's log shows no request from node 2;
+#   5. node 2 pulls it: containerd asks the registry what the tag points at (the registry's
+#      answer, always fresh), then ferry finds node 1 in the DHT and streams every manifest and
+#      blob from node 1's containerd store; the upstream registry's log shows that node 2 sent
+#      it nothing but the tag lookup;
 #   6. runs `ferry cleanup` and removes every process, namespace and link it created.
 # Set FERRY_DEMO_KEEP=1 to keep the temp dir (logs, configs) for a look afterwards.
 set -euo pipefail
@@ -98,7 +100,11 @@ pull() { # <name> : ctr pull inside the node's namespace, prints the wall time
 }
 
 metric() { curl -s "http://$1:5483/metrics" | awk -v m="$2" 'index($0, m" ") == 1 {print $2}'; }
-upstream_from() { grep 'response completed' "$WORK/registry/registry.log" | grep -c "remoteaddr=\"$1:" || true; }
+# Requests from one node in the registry's log: content (blobs, manifests by digest), and tag
+# lookups (the registry's to answer; ferry's own `GET /v2/` reachability probes are neither).
+upstream_lines() { grep 'response completed' "$WORK/registry/registry.log" | grep "remoteaddr=\"$1:" || true; }
+upstream_from() { upstream_lines "$1" | grep -cE 'uri="/v2/[^"]*/(blobs/|manifests/sha256:)' || true; }
+upstream_tags_from() { upstream_lines "$1" | grep -v 'manifests/sha256:' | grep -c '/manifests/' || true; }
 
 echo "==> network: bridge $BR, upstream $NET.0.1, node1 $NET.0.11, node2 $NET.0.12"
 ip link add "$BR" type bridge
@@ -134,21 +140,22 @@ echo "    node 1 pull: $(pull n1)"
 for _ in $(seq 100); do [ "$(metric "$NET.0.11" ferry_keys_advertised)" -ge 6 ] 2>/dev/null && break; sleep 0.1; done
 echo "    node 1 now advertises $(metric "$NET.0.11" ferry_keys_advertised) keys (digests and the tag)"
 
-echo "==> node 2 pulls (ferry finds node 1 in the DHT and streams from its containerd store)"
+echo "==> node 2 pulls (the tag from the registry; everything by digest from node 1's containerd store)"
 echo "    node 2 pull: $(pull n2)"
 GOT=$(ctr --address "$WORK/n2/containerd.sock" -n k8s.io images ls | awk -v img="$IMAGE" '$1==img {print $3}')
 FROM_PEER=$(metric "$NET.0.12" 'ferry_served_total{kind="blob",source="peer"}')
 BYTES_PEER=$(metric "$NET.0.12" 'ferry_bytes_served_total{kind="blob",source="peer"}')
 UP1=$(upstream_from "$NET.0.11")
 UP2=$(upstream_from "$NET.0.12")
+TAGS2=$(upstream_tags_from "$NET.0.12")
 
 echo "==> result"
-echo "    upstream requests from node 1: $UP1, from node 2: $UP2"
+echo "    manifests and blobs the upstream sent node 1: $UP1, node 2: $UP2 (node 2's tag lookups: $TAGS2)"
 echo "    blobs node 2's ferry got from node 1: ${FROM_PEER:-0} (${BYTES_PEER:-0} bytes)"
 echo "    image on node 2: $GOT (pushed: $WANT)"
 "$FERRY" cleanup --hosts-dir "$WORK/n2/certs.d"
 if [ "$UP2" -eq 0 ] && [ "$GOT" = "$WANT" ] && [ "${FROM_PEER:-0}" -ge 4 ]; then
-    echo "==> OK: node 2's pull was served entirely by node 1, peer to peer"
+    echo "==> OK: node 2 asked the registry only what the tag points at; node 1 served every byte, peer to peer"
 else
     echo "==> FAILED: see $WORK (rerun with FERRY_DEMO_KEEP=1)" >&2
     exit 1

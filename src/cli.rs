@@ -242,7 +242,6 @@ impl Flags {
             ("bootstrap-dns", &self.bootstrap_dns),
             ("resolve-timeout", &self.resolve_timeout),
             ("resolve-tags", &self.resolve_tags),
-            ("resolve-latest", &self.resolve_latest),
             ("provide-ttl", &self.provide_ttl),
             ("reprovide-interval", &self.reprovide_interval),
             ("p2p", &self.p2p),

@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 34] = [
+pub const KEYS: [(&str, &str); 33] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -33,8 +33,6 @@ pub const KEYS: [(&str, &str); 34] = [
     ("bootstrap-dns", ""),
     ("resolve-timeout", "20ms"),
     ("resolve-tags", "when-upstream-fails"),
-    // Replaced by resolve-tags: accepted as a key only to say so.
-    ("resolve-latest", ""),
     ("provide-ttl", "30m"),
     ("reprovide-interval", "10m"),
     ("p2p", "true"),
@@ -145,6 +143,9 @@ impl Config {
             Some(path) => read_file(path)?,
             None => HashMap::new(),
         };
+        if flags.resolve_latest.is_some() {
+            return Err(err(REPLACED.0, REPLACED.1));
+        }
         let given: HashMap<&str, &str> = flags.given().into_iter().collect();
         let value = &|key: &str| -> String {
             given
@@ -226,6 +227,9 @@ fn read_file(path: &Path) -> Result<HashMap<String, String>, ConfigError> {
     })?;
     let mut values = HashMap::new();
     for (key, value) in table {
+        if key == REPLACED.0 {
+            return Err(err(&key, REPLACED.1));
+        }
         if !KEYS.iter().any(|(k, _)| *k == key) {
             return Err(err(&key, format!("unknown key in {}", path.display())));
         }
@@ -319,13 +323,13 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
     }))
 }
 
+/// A key that no longer exists, named so that an old config gets a useful error.
+const REPLACED: (&str, &str) = (
+    "resolve-latest",
+    "replaced by resolve-tags = never | when-upstream-fails | always (latest is no longer special)",
+);
+
 fn resolve_tags(value: &dyn Fn(&str) -> String) -> Result<ResolveTags, ConfigError> {
-    if !value("resolve-latest").is_empty() {
-        return Err(err(
-            "resolve-latest",
-            "replaced by resolve-tags = never | when-upstream-fails | always (latest is no longer special)",
-        ));
-    }
     let v = value("resolve-tags");
     v.parse().map_err(|_| {
         err(

@@ -198,6 +198,22 @@ fn bad_values_exit_64_with_one_line_naming_the_key() {
             "log-format",
         ),
         (vec!["run", "--registries", "a/b"], vec![], "registries"),
+        (
+            vec!["run", "--resolve-tags", "true"],
+            vec![],
+            "resolve-tags",
+        ),
+        // The flag it replaced says what replaced it, on the command line and in the file.
+        (
+            vec!["run", "--resolve-latest", "true"],
+            vec![],
+            "resolve-latest",
+        ),
+        (
+            vec!["run"],
+            vec![("FERRY_RESOLVE_LATEST", "false")],
+            "resolve-latest",
+        ),
     ];
     for (args, env, key) in cases {
         let out = ferry(&args, &env);

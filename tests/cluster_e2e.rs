@@ -1,7 +1,8 @@
 //! Three nodes and an upstream registry, each in its own network namespace on one bridge; each
 //! node runs its own containerd and Ferry, bootstrapped from node 1. Node 1 pulls from upstream;
-//! node 2 then gets every blob from node 1 (the upstream log shows nothing from node 2); with
-//! node 1's Ferry stopped, node 3 still pulls.
+//! node 2 then gets every manifest and blob from node 1 (the upstream log shows only node 2's
+//! resolution of the tag, which is the registry's to answer); with node 1's Ferry stopped,
+//! node 3 still pulls.
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -73,15 +74,16 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     let from_node2: Vec<_> = registry.requests()[before..]
         .iter()
         .filter(|(remote, _, _)| remote.starts_with(&format!("{}:", node2.ip)))
-        .cloned()
+        .map(|(_, method, uri)| (method.clone(), uri.clone()))
+        // Ferry's own reachability probes of the registry (`GET /v2/`, no credentials).
+        .filter(|(_, uri)| uri != "/v2/")
         .collect();
-    assert!(
-        !from_node2.iter().any(|(_, _, uri)| uri.contains("/blobs/")),
-        "node 2 fetched blobs from upstream: {from_node2:?}"
-    );
-    assert!(
-        from_node2.is_empty(),
-        "node 2 asked upstream at all: {from_node2:?}"
+    // The tag is the registry's to answer (it may have moved); everything by digest came
+    // from node 1.
+    assert_eq!(
+        from_node2,
+        [("HEAD".to_string(), "/v2/team/app/manifests/v1".to_string())],
+        "node 2 asked upstream for more than the tag"
     );
     assert!(
         node2.metric("ferry_served_total{kind=\"blob\",source=\"peer\"}") >= blobs as u64,

@@ -196,9 +196,9 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
         LAYERS + 1
     );
     assert_eq!(
-        n1.metric("ferry_served_total{kind=\"blob\",source=\"local\"}"),
-        1,
-        "only our token request"
+        n1.metric("ferry_bytes_served_total{kind=\"blob\",source=\"local\"}"),
+        image.blob(&layer0).len() as u64,
+        "node 1 served only our token request's blob"
     );
 
     // Node 1 serves a corrupt config (small: verified before serving). Node 2 refuses it and

@@ -138,7 +138,10 @@ fn a_moved_tag_reaches_the_node_that_had_it_and_a_node_that_never_did() {
     };
     let started = Instant::now();
     let first = probes(&node2);
-    assert!(first >= 1, "node 2 probes the registry it pulls by tag from");
+    assert!(
+        first >= 1,
+        "node 2 probes the registry it pulls by tag from"
+    );
 
     measure_tag_resolution(&node2, &reference);
 

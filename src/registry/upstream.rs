@@ -37,6 +37,9 @@ pub const PROBE_INTERVAL: Duration = Duration::from_secs(10);
 /// A probe gets no answer within this: the registry is not answering (containerd's own dial
 /// timeout is 30 s; a registry this slow to say `/v2/` fails pulls anyway).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// At most this many registries are probed at once: `ns` comes from the request, and any
+/// local process can reach the mirror. Beyond it, a registry counts as answering.
+const MAX_WATCHED: usize = 256;
 /// A registry with no request on the mirror for this long is no longer probed (named
 /// registries excepted: they are probed for as long as Ferry runs).
 const IDLE_AFTER: Duration = Duration::from_secs(300);
@@ -153,6 +156,9 @@ impl UpstreamWatch {
         if let Some(entry) = registries.get_mut(registry) {
             entry.used = Instant::now();
             return entry.verdict;
+        }
+        if registries.len() >= MAX_WATCHED {
+            return Verdict::Unknown;
         }
         registries.insert(
             registry.to_string(),
