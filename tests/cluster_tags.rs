@@ -302,6 +302,25 @@ fn with_the_registry_down_a_tag_resolves_through_peers_and_upstream_again_once_i
         assert!(content.contains(&digest), "node 2 holds {digest}");
     }
 
+    // Pulls by digest are unaffected: with the registry still down, node 2 (its copy gone)
+    // pulls the same image by digest, every byte from node 1, no tag involved.
+    node2.forget(&reference, &old.digests());
+    let by_digest = format!("{registry_addr}/team/app@{}", old.manifest);
+    node2
+        .try_pull(&by_digest)
+        .unwrap_or_else(|e| panic!("node 2's pull by digest failed with the registry down:\n{e}"));
+    let content = node2
+        .containerd
+        .ctr(&["-n", "k8s.io", "content", "ls", "-q"]);
+    for digest in old.digests() {
+        assert!(content.contains(&digest), "node 2 holds {digest} again");
+    }
+    assert_eq!(
+        node2.metric("ferry_tag_requests_total{answer=\"peers\"}"),
+        1,
+        "a pull by digest resolves no tag"
+    );
+
     // The registry is back and the tag has moved meanwhile: the next pull by tag goes
     // upstream again and gets the new image.
     registry = Registry::start_at(&dir.join("up"), Some(&net.namespaces[0]), registry_addr);
