@@ -22,6 +22,7 @@
 
 pub mod app;
 pub mod cli;
+pub mod coalesce;
 pub mod config;
 pub mod containerd_config;
 pub mod kubernetes;

@@ -71,6 +71,14 @@ pub struct ProbeLabels {
     pub result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CoalesceLabels {
+    /// leader, follower, none
+    pub role: &'static str,
+    /// leader: upstream; follower: assigned, served, failed; none: coordinator_unreachable
+    pub result: &'static str,
+}
+
 /// Latency buckets in seconds: a local hit answers in well under a millisecond, a large blob
 /// streams for seconds.
 const DURATION_BUCKETS: [f64; 12] = [
@@ -101,6 +109,9 @@ pub struct Metrics {
     pub tag_requests: Family<TagLabels, Counter>,
     pub upstream_up: Family<RegistryLabels, Gauge>,
     pub upstream_probes: Family<ProbeLabels, Counter>,
+    pub coalesce: Family<CoalesceLabels, Counter>,
+    pub inflight_bytes: Counter,
+    pub follow_wait: Histogram,
 }
 
 impl Default for Metrics {
@@ -131,6 +142,9 @@ impl Metrics {
         let tag_requests = Family::<TagLabels, Counter>::default();
         let upstream_up = Family::<RegistryLabels, Gauge>::default();
         let upstream_probes = Family::<ProbeLabels, Counter>::default();
+        let coalesce = Family::<CoalesceLabels, Counter>::default();
+        let inflight_bytes = Counter::default();
+        let follow_wait = Histogram::new(DURATION_BUCKETS);
         registry.register(
             "http_requests",
             "Registry API requests by kind, method and status",
@@ -216,6 +230,21 @@ impl Metrics {
             "Reachability probes of upstream registries (GET /v2/, no credentials) by result",
             upstream_probes.clone(),
         );
+        registry.register(
+            "coalesce",
+            "Misses coordinated with other nodes, by role (leader: fetches upstream; follower: streams from the leader) and result",
+            coalesce.clone(),
+        );
+        registry.register(
+            "inflight_bytes",
+            "Bytes served to followers out of this node's downloads in progress",
+            inflight_bytes.clone(),
+        );
+        registry.register(
+            "follow_wait_seconds",
+            "Time a follower waited for its leader's first byte",
+            follow_wait.clone(),
+        );
         Self {
             registry,
             requests,
@@ -235,6 +264,9 @@ impl Metrics {
             tag_requests,
             upstream_up,
             upstream_probes,
+            coalesce,
+            inflight_bytes,
+            follow_wait,
         }
     }
 

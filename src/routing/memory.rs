@@ -11,6 +11,8 @@ use super::{Peer, PeerStream, Router, RouterError};
 #[derive(Debug, Default, Clone)]
 pub struct MemoryNetwork {
     providers: Arc<Mutex<BTreeMap<String, BTreeSet<PeerKey>>>>,
+    /// Every node that has a router: all are connected to all.
+    nodes: Arc<Mutex<Vec<Peer>>>,
 }
 
 /// `Peer` ordered by id so lookups are deterministic.
@@ -29,6 +31,11 @@ impl MemoryNetwork {
 
     /// A router for one node of this network.
     pub fn node(&self, me: Peer) -> MemoryRouter {
+        let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        if !nodes.contains(&me) {
+            nodes.push(me.clone());
+        }
+        drop(nodes);
         MemoryRouter {
             network: self.clone(),
             me,
@@ -52,6 +59,21 @@ impl MemoryRouter {
 impl Router for MemoryRouter {
     fn ready(&self) -> bool {
         true
+    }
+
+    fn local(&self) -> Peer {
+        self.me.clone()
+    }
+
+    fn members(&self) -> Arc<Vec<Peer>> {
+        let nodes = self.network.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::new(
+            nodes
+                .iter()
+                .filter(|p| p.id != self.me.id)
+                .cloned()
+                .collect(),
+        )
     }
 
     async fn lookup(&self, key: &str) -> PeerStream {

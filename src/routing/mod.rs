@@ -10,6 +10,7 @@ pub mod p2p;
 pub mod sync;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
@@ -39,6 +40,12 @@ pub enum RouterError {
 pub trait Router: Send + Sync + 'static {
     /// Connected to at least one peer (or alone by configuration).
     fn ready(&self) -> bool;
+
+    /// This node, as other nodes reach it.
+    fn local(&self) -> Peer;
+
+    /// The other nodes this one is connected to now, with their peer addresses.
+    fn members(&self) -> Arc<Vec<Peer>>;
 
     /// Providers of `key`, this node excluded.
     async fn lookup(&self, key: &str) -> PeerStream;

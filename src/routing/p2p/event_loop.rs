@@ -318,6 +318,7 @@ impl EventLoop {
             self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
         }
         self.http_addrs.insert(peer_id, http);
+        self.publish_members();
         for reply in self.awaiting_identify.remove(&peer_id).unwrap_or_default() {
             let _ = reply.try_send(Peer {
                 id: peer_id.to_base58(),
@@ -330,5 +331,26 @@ impl EventLoop {
         let n = self.swarm.connected_peers().count();
         self.status.connected.store(n, Ordering::Relaxed);
         self.metrics.peers_connected.set(n as i64);
+        self.publish_members();
+    }
+
+    /// The connected peers with a known peer address, for whoever picks among live nodes.
+    fn publish_members(&self) {
+        let mut members: Vec<Peer> = self
+            .swarm
+            .connected_peers()
+            .filter_map(|id| {
+                self.http_addrs.get(id).map(|addr| Peer {
+                    id: id.to_base58(),
+                    addr: *addr,
+                })
+            })
+            .collect();
+        members.sort_by(|a, b| a.id.cmp(&b.id));
+        *self
+            .status
+            .members
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Arc::new(members);
     }
 }

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 pub use behaviour::{ProvideTiming, agent_version, peer_addr_of};
 
 use super::bootstrap::{Bootstrap, tcp_multiaddr};
-use super::{PeerStream, Router, RouterError};
+use super::{Peer, PeerStream, Router, RouterError};
 use crate::metrics::Metrics;
 
 /// Commands queue up to this many; a full queue makes callers wait (backpressure), it never
@@ -83,6 +83,8 @@ pub(crate) enum Command {
 #[derive(Debug, Default)]
 pub(crate) struct Status {
     pub connected: AtomicUsize,
+    /// Connected peers whose peer address is known (identify): the live member set.
+    pub members: std::sync::RwLock<Arc<Vec<Peer>>>,
 }
 
 /// The handle. Cheap to clone; all clones talk to the same swarm task.
@@ -91,6 +93,7 @@ pub struct P2pRouter {
     commands: mpsc::Sender<Command>,
     status: Arc<Status>,
     peer_id: PeerId,
+    peer_http_addr: SocketAddr,
     alone: bool,
 }
 
@@ -157,6 +160,7 @@ impl P2pRouter {
                 commands: tx,
                 status,
                 peer_id,
+                peer_http_addr,
                 alone: !bootstrap_configured,
             },
             task,
@@ -202,6 +206,21 @@ fn private_transport(
 impl Router for P2pRouter {
     fn ready(&self) -> bool {
         self.alone || self.connected_peers() > 0
+    }
+
+    fn local(&self) -> Peer {
+        Peer {
+            id: self.peer_id.to_base58(),
+            addr: self.peer_http_addr,
+        }
+    }
+
+    fn members(&self) -> Arc<Vec<Peer>> {
+        self.status
+            .members
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     async fn lookup(&self, key: &str) -> PeerStream {

@@ -1,0 +1,334 @@
+//! The in-flight reader: a blob read out of containerd's ingest while containerd is still
+//! downloading it, so that other nodes can follow a leader byte for byte.
+//!
+//! containerd's local content store (1.6, 1.7 and 2.x alike) writes a download to
+//! `<content>/ingest/<sha256 of the internal ref>/`, with `ref` (`<namespace>/<n>/<kind>-<digest>`,
+//! kind `layer`, `config`, `manifest`, `index`), `total` (the expected size, known from the
+//! descriptor) and `data`, which grows as bytes land and is *renamed* into
+//! `blobs/sha256/<hex>` on commit. An open file descriptor survives the rename, so the reader
+//! opens `data` once and reads it to `total`, whatever happens to its name. A download that is
+//! aborted (the directory goes, nothing is committed), truncated (containerd restarting it) or
+//! silent for the idle timeout ends the stream with an error: the follower's body then resumes
+//! elsewhere or cuts its client off, never a short or wrong blob.
+
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+
+use crate::oci::Digest;
+use crate::store::ByteStream;
+
+/// How often a reader at the end of what has landed looks again. Bytes arrive from the
+/// upstream in bursts; 10 ms keeps a follower within a few bursts of the leader.
+const POLL: Duration = Duration::from_millis(10);
+/// Read size per chunk (as the complete-blob fast path).
+const CHUNK: usize = 256 * 1024;
+
+/// A download in progress in containerd's ingest directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ingest {
+    pub dir: PathBuf,
+    /// The size the download will have: where every reader stops.
+    pub total: u64,
+}
+
+impl Ingest {
+    /// The ingest of `digest` in `namespace`, if containerd is downloading it now. Ingests
+    /// without a known size are skipped (a reader would not know where the blob ends).
+    pub fn find(content_dir: &Path, namespace: &str, digest: &Digest) -> Option<Ingest> {
+        let entries = std::fs::read_dir(content_dir.join("ingest")).ok()?;
+        let prefix = format!("{namespace}/");
+        let suffix = format!("-{digest}");
+        for entry in entries.flatten() {
+            let dir = entry.path();
+            let Ok(r) = std::fs::read_to_string(dir.join("ref")) else {
+                continue;
+            };
+            let r = r.trim();
+            if !r.starts_with(&prefix) || !r.ends_with(&suffix) {
+                continue;
+            }
+            let total = std::fs::read_to_string(dir.join("total"))
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok());
+            if let Some(total) = total.filter(|t| *t > 0) {
+                return Some(Ingest { dir, total });
+            }
+        }
+        None
+    }
+
+    /// Waits up to `wait` for the ingest of `digest` to appear (a leader's containerd starts
+    /// its download a moment after its Ferry said 404).
+    pub async fn wait_for(
+        content_dir: &Path,
+        namespace: &str,
+        digest: &Digest,
+        wait: Duration,
+    ) -> Option<Ingest> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let (dir, ns, d) = (
+                content_dir.to_path_buf(),
+                namespace.to_string(),
+                digest.clone(),
+            );
+            let found = tokio::task::spawn_blocking(move || Ingest::find(&dir, &ns, &d))
+                .await
+                .ok()
+                .flatten();
+            if found.is_some() || Instant::now() >= deadline {
+                return found;
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// The blob from byte `offset` to the end, as it lands. `committed` is where the blob
+    /// will be once containerd commits it (to tell a commit from an abort).
+    pub async fn read_from(
+        &self,
+        offset: u64,
+        committed: PathBuf,
+        idle_timeout: Duration,
+    ) -> std::io::Result<ByteStream> {
+        if offset > self.total {
+            return Err(std::io::Error::new(
+                ErrorKind::InvalidInput,
+                "offset past the end of the blob",
+            ));
+        }
+        let data = self.dir.join("data");
+        let mut file = tokio::fs::File::open(&data).await?;
+        file.seek(std::io::SeekFrom::Start(offset)).await?;
+        let state = Reader {
+            file,
+            data,
+            committed,
+            pos: offset,
+            total: self.total,
+            idle_timeout,
+            last_progress: Instant::now(),
+            buf: vec![0; CHUNK],
+        };
+        Ok(futures::stream::unfold(Some(state), |state| async move {
+            let mut state = state?;
+            match state.next().await {
+                Ok(Some(chunk)) => Some((Ok(chunk), Some(state))),
+                Ok(None) => None,
+                Err(e) => Some((Err(e), None)),
+            }
+        })
+        .boxed())
+    }
+}
+
+struct Reader {
+    file: tokio::fs::File,
+    data: PathBuf,
+    committed: PathBuf,
+    pos: u64,
+    total: u64,
+    idle_timeout: Duration,
+    last_progress: Instant,
+    buf: Vec<u8>,
+}
+
+impl Reader {
+    /// The next bytes that landed, `None` at `total`, or why the download will not finish.
+    async fn next(&mut self) -> std::io::Result<Option<Bytes>> {
+        loop {
+            if self.pos >= self.total {
+                return Ok(None);
+            }
+            let want = (self.total - self.pos).min(self.buf.len() as u64) as usize;
+            let n = self.file.read(&mut self.buf[..want]).await?;
+            if n > 0 {
+                self.pos += n as u64;
+                self.last_progress = Instant::now();
+                return Ok(Some(Bytes::copy_from_slice(&self.buf[..n])));
+            }
+            // At the end of what has landed: is the download still going?
+            let len = self.file.metadata().await?.len();
+            if len < self.pos {
+                return Err(std::io::Error::other(
+                    "the download was truncated (containerd restarted it)",
+                ));
+            }
+            if len == self.pos && !self.data.exists() && !self.committed.exists() {
+                return Err(std::io::Error::other(
+                    "the download was aborted before it completed",
+                ));
+            }
+            if self.last_progress.elapsed() >= self.idle_timeout {
+                return Err(std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    "the download made no progress",
+                ));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::TryStreamExt;
+    use std::io::Write;
+
+    async fn all(stream: ByteStream) -> std::io::Result<Vec<u8>> {
+        stream
+            .try_fold(Vec::new(), |mut v, c| async move {
+                v.extend_from_slice(&c);
+                Ok(v)
+            })
+            .await
+    }
+
+    /// An ingest directory as containerd lays it out, with `have` of the blob written.
+    fn ingest(content: &Path, digest: &Digest, total: usize, have: &[u8]) -> PathBuf {
+        let dir = content.join("ingest").join("4f2c");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("ref"), format!("k8s.io/1/layer-{digest}")).unwrap();
+        std::fs::write(dir.join("total"), total.to_string()).unwrap();
+        std::fs::write(dir.join("data"), have).unwrap();
+        std::fs::create_dir_all(content.join("blobs/sha256")).unwrap();
+        dir
+    }
+
+    fn append(path: &Path, bytes: &[u8]) {
+        let mut f = std::fs::OpenOptions::new().append(true).open(path).unwrap();
+        f.write_all(bytes).unwrap();
+    }
+
+    fn blob(n: usize) -> (Vec<u8>, Digest) {
+        let bytes: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+        let digest = Digest::sha256_of(&bytes);
+        (bytes, digest)
+    }
+
+    #[tokio::test]
+    async fn reads_a_growing_file_across_its_commit_to_the_expected_size() {
+        let tmp = tempfile::tempdir().unwrap();
+        let content = tmp.path();
+        let (bytes, digest) = blob(3 * CHUNK + 123);
+        let dir = ingest(content, &digest, bytes.len(), &bytes[..1000]);
+        assert_eq!(
+            Ingest::find(content, "default", &digest),
+            None,
+            "other namespace"
+        );
+        let found = Ingest::find(content, "k8s.io", &digest).unwrap();
+        assert_eq!(found.total, bytes.len() as u64);
+        let committed = content.join("blobs/sha256").join(digest.hex());
+        let stream = found
+            .read_from(0, committed.clone(), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let reader = tokio::spawn(all(stream));
+        // containerd writes the rest in bursts, then commits: a rename out of the ingest.
+        for part in bytes[1000..].chunks(100_000) {
+            tokio::time::sleep(Duration::from_millis(15)).await;
+            append(&dir.join("data"), part);
+        }
+        std::fs::rename(dir.join("data"), &committed).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let got = reader.await.unwrap().unwrap();
+        assert_eq!(got.len(), bytes.len());
+        assert!(digest.matches(&got), "every byte, in order");
+    }
+
+    #[tokio::test]
+    async fn starts_at_an_offset_for_a_resumed_transfer() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (bytes, digest) = blob(5000);
+        ingest(tmp.path(), &digest, bytes.len(), &bytes);
+        let found = Ingest::find(tmp.path(), "k8s.io", &digest).unwrap();
+        let got = found
+            .read_from(4000, tmp.path().join("nowhere"), Duration::from_secs(1))
+            .await
+            .unwrap();
+        let got = all(got).await.unwrap();
+        assert_eq!(&got[..], &bytes[4000..]);
+    }
+
+    #[tokio::test]
+    async fn an_aborted_download_ends_in_an_error_not_a_short_blob() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (bytes, digest) = blob(10_000);
+        let dir = ingest(tmp.path(), &digest, bytes.len(), &bytes[..4000]);
+        let found = Ingest::find(tmp.path(), "k8s.io", &digest).unwrap();
+        let committed = tmp.path().join("blobs/sha256").join(digest.hex());
+        let stream = found
+            .read_from(0, committed, Duration::from_secs(30))
+            .await
+            .unwrap();
+        let reader = tokio::spawn(all(stream));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // `ctr content rm`/an abort: the directory goes and nothing is committed.
+        std::fs::remove_dir_all(&dir).unwrap();
+        let started = Instant::now();
+        let result = reader.await.unwrap();
+        assert!(result.is_err(), "an aborted download is an error");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "noticed at once"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_truncated_or_stalled_download_ends_in_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (bytes, digest) = blob(10_000);
+        let dir = ingest(tmp.path(), &digest, bytes.len(), &bytes[..6000]);
+        let found = Ingest::find(tmp.path(), "k8s.io", &digest).unwrap();
+        let stream = found
+            .read_from(0, tmp.path().join("never"), Duration::from_secs(30))
+            .await
+            .unwrap();
+        let reader = tokio::spawn(all(stream));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("data"))
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        assert!(reader.await.unwrap().is_err(), "truncated");
+
+        let stalled = found
+            .read_from(0, tmp.path().join("never"), Duration::from_millis(100))
+            .await
+            .unwrap();
+        assert!(all(stalled).await.is_err(), "stalled");
+    }
+
+    #[tokio::test]
+    async fn waits_for_a_download_to_start() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (bytes, digest) = blob(100);
+        let content = tmp.path().to_path_buf();
+        let waiting = {
+            let (content, digest) = (content.clone(), digest.clone());
+            tokio::spawn(async move {
+                Ingest::wait_for(&content, "k8s.io", &digest, Duration::from_secs(5)).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        ingest(&content, &digest, bytes.len(), &[]);
+        assert!(waiting.await.unwrap().is_some());
+        let none = Ingest::wait_for(
+            &content,
+            "k8s.io",
+            &Digest::sha256_of(b"nobody downloads this"),
+            Duration::from_millis(50),
+        )
+        .await;
+        assert!(none.is_none());
+    }
+}

@@ -1,0 +1,200 @@
+//! Storm-proof rollouts: when several nodes miss the same digest at once, one node's
+//! containerd (the leader) fetches it from upstream, with its own credentials, and the others
+//! (followers) stream it from the leader's Ferry while the leader's containerd is still
+//! downloading it. Nothing but the DaemonSet takes part, and Ferry never talks to the registry.
+//!
+//! How the nodes agree, with no extra component:
+//! 1. A miss (not in this node's store, no complete provider in the DHT) picks the digest's
+//!    *coordinator* by rendezvous hashing over the live member set, this node included
+//!    (`rendezvous.rs`): no message, and nodes that see the same members agree.
+//! 2. It claims the digest there: one signed request to the coordinator's peer address (or a
+//!    call, when it is the coordinator), bounded by [`CLAIM_TIMEOUT`]. The coordinator's
+//!    lease table (`leases.rs`) answers *lead* to the first claimant and *follow <leader>* to
+//!    the next ones.
+//! 3. A leader's Ferry records that it leads the digest (so its peer address may serve it in
+//!    flight) and answers 404 at once: its containerd goes upstream as it always did.
+//! 4. A follower's Ferry asks the leader's peer address for the blob with [`FOLLOW_HEADER`].
+//!    The leader waits up to `--follow-timeout` for its containerd's download to start and
+//!    streams it out of containerd's ingest as it lands (`inflight.rs`). The follower hashes
+//!    it on the way and holds back the last chunk until the digest checks out (the peer path's
+//!    verifying body).
+//! 5. A follower that gets nothing from the leader in time reports it in a new claim, which
+//!    makes it the leader (404, upstream) unless someone replaced the leader already.
+//!
+//! Every step only makes a pull faster or hands it back at once: an unreachable or slow
+//! coordinator, a leader that never starts, dies or stalls all end in today's behaviour (a
+//! 404 and containerd going upstream, or a cut transfer that containerd resumes from the next
+//! host with a Range). Views of the member set that differ give two coordinators and so at
+//! worst two upstream fetches, never a failure.
+
+pub mod inflight;
+pub mod leases;
+pub mod rendezvous;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::metrics::{CoalesceLabels, Metrics};
+use crate::oci::Digest;
+use crate::routing::{Peer, Router};
+use leases::{Grant, LEASE, Leases};
+
+/// Header on a follower's request: the leader may answer from a download in progress.
+pub const FOLLOW_HEADER: &str = "x-ferry-follow";
+/// Path of the claim endpoint on the peer address: `POST <CLAIM_PATH><digest>?peer=&addr=`.
+pub const CLAIM_PATH: &str = "/_ferry/v1/claim/";
+/// A claim gets this long. Peer addresses are on the node network (well under a millisecond
+/// away); a coordinator that takes longer is treated as absent, and the miss goes upstream.
+pub const CLAIM_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Settings, as values (built in `app.rs`).
+#[derive(Debug, Clone)]
+pub struct CoalesceConfig {
+    /// How long a follower waits for the leader's first byte, and a leader for its own
+    /// containerd's download to start.
+    pub follow_timeout: Duration,
+    /// containerd's content directory and namespace: where a leader's downloads land.
+    pub content_dir: PathBuf,
+    pub namespace: String,
+}
+
+/// What a claim decided for one miss.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// This node leads: answer 404 so its containerd fetches from upstream.
+    Lead,
+    /// Stream from this node's Ferry.
+    Follow(Peer),
+    /// No coordinator could be asked in time: behave as without coalescing (404).
+    Alone,
+}
+
+/// One node's part: its coordinator table, the digests it leads, and claiming.
+pub struct Coalescer {
+    router: Arc<dyn Router>,
+    config: CoalesceConfig,
+    metrics: Arc<Metrics>,
+    leases: Leases,
+    /// Digests this node's containerd is fetching from upstream as a leader, with the
+    /// `(registry, repository)` it asked for: served in flight to followers while recorded.
+    leading: Mutex<HashMap<Digest, (String, String, Instant)>>,
+    claims: Box<dyn ClaimSender>,
+}
+
+impl std::fmt::Debug for Coalescer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coalescer")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Sends a claim to another node's peer address (the peer client signs it).
+#[async_trait::async_trait]
+pub trait ClaimSender: Send + Sync + 'static {
+    async fn claim(
+        &self,
+        coordinator: &Peer,
+        digest: &Digest,
+        claimant: &Peer,
+        failed: Option<&str>,
+    ) -> Option<Grant>;
+}
+
+impl Coalescer {
+    pub fn new(
+        router: Arc<dyn Router>,
+        config: CoalesceConfig,
+        metrics: Arc<Metrics>,
+        claims: Box<dyn ClaimSender>,
+    ) -> Coalescer {
+        Coalescer {
+            router,
+            config,
+            metrics,
+            leases: Leases::default(),
+            leading: Mutex::new(HashMap::new()),
+            claims,
+        }
+    }
+
+    pub fn config(&self) -> &CoalesceConfig {
+        &self.config
+    }
+
+    /// Who fetches `digest` from upstream, for this node's miss of it (`failed`: a leader
+    /// this node could not follow).
+    pub async fn decide(
+        &self,
+        digest: &Digest,
+        ns: &str,
+        name: &str,
+        failed: Option<&Peer>,
+    ) -> Decision {
+        let me = self.router.local();
+        let members = self.router.members();
+        let everyone: Vec<&Peer> = members.iter().chain(std::iter::once(&me)).collect();
+        let Some(coordinator) = rendezvous::coordinator(digest, everyone.iter().copied()) else {
+            return Decision::Alone;
+        };
+        let failed_id = failed.map(|p| p.id.as_str());
+        let grant = if coordinator.id == me.id {
+            Some(self.leases.claim(digest, &me, failed_id, Instant::now()))
+        } else {
+            let sent = self.claims.claim(coordinator, digest, &me, failed_id);
+            tokio::time::timeout(CLAIM_TIMEOUT, sent)
+                .await
+                .ok()
+                .flatten()
+        };
+        let decision = match grant {
+            Some(Grant::Lead) => {
+                self.lock_leading().insert(
+                    digest.clone(),
+                    (ns.to_string(), name.to_string(), Instant::now()),
+                );
+                Decision::Lead
+            }
+            Some(Grant::Follow(leader)) if leader.id == me.id => Decision::Lead,
+            Some(Grant::Follow(leader)) => Decision::Follow(leader),
+            None => Decision::Alone,
+        };
+        let (role, result) = match &decision {
+            Decision::Lead => ("leader", "upstream"),
+            Decision::Follow(_) => ("follower", "assigned"),
+            Decision::Alone => ("none", "coordinator_unreachable"),
+        };
+        self.count(role, result);
+        tracing::debug!(%digest, coordinator = %coordinator.id, ?decision, "coalesce decision");
+        decision
+    }
+
+    /// The coordinator side of a claim from another node.
+    pub fn claim(&self, digest: &Digest, claimant: &Peer, failed: Option<&str>) -> Grant {
+        let grant = self.leases.claim(digest, claimant, failed, Instant::now());
+        tracing::debug!(%digest, claimant = %claimant.id, ?grant, "claim");
+        grant
+    }
+
+    /// Whether this node leads `digest` now (its peer address may serve it in flight).
+    pub fn leads(&self, digest: &Digest) -> bool {
+        let mut leading = self.lock_leading();
+        leading.retain(|_, (_, _, since)| since.elapsed() < LEASE);
+        leading.contains_key(digest)
+    }
+
+    pub fn count(&self, role: &'static str, result: &'static str) {
+        self.metrics
+            .coalesce
+            .get_or_create(&CoalesceLabels { role, result })
+            .inc();
+    }
+
+    fn lock_leading(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<Digest, (String, String, Instant)>> {
+        self.leading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,0 +1,84 @@
+//! Which node coordinates a digest: rendezvous (highest random weight) hashing over the live
+//! peer set. Every node computes it alone, with no message; nodes that see the same members
+//! pick the same coordinator, and a node joining or leaving moves only the digests it wins or
+//! held (1/N of them).
+
+use sha2::{Digest as _, Sha256};
+
+use crate::oci::Digest;
+use crate::routing::Peer;
+
+/// The member with the highest weight for `digest` (`None` for no members).
+pub fn coordinator<'a>(
+    digest: &Digest,
+    members: impl IntoIterator<Item = &'a Peer>,
+) -> Option<&'a Peer> {
+    members
+        .into_iter()
+        // Ties (equal weights) are astronomically unlikely; the id breaks them deterministically.
+        .max_by(|a, b| {
+            weight(&a.id, digest)
+                .cmp(&weight(&b.id, digest))
+                .then(a.id.cmp(&b.id))
+        })
+}
+
+fn weight(id: &str, digest: &Digest) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(id.as_bytes());
+    h.update([0]);
+    h.update(digest.to_string().as_bytes());
+    h.finalize().into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peers(n: usize) -> Vec<Peer> {
+        (0..n)
+            .map(|i| Peer {
+                id: format!("peer-{i}"),
+                addr: format!("10.0.0.{}:5481", i + 1).parse().unwrap(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_node_picks_the_same_coordinator_whatever_the_order() {
+        let members = peers(8);
+        let mut reversed = members.clone();
+        reversed.reverse();
+        for i in 0..50 {
+            let d = Digest::sha256_of(format!("blob {i}").as_bytes());
+            assert_eq!(coordinator(&d, &members), coordinator(&d, &reversed));
+        }
+        assert_eq!(coordinator(&Digest::sha256_of(b"x"), &[]), None);
+    }
+
+    #[test]
+    fn digests_spread_over_the_nodes_and_a_leaving_node_moves_only_its_own() {
+        let members = peers(8);
+        let digests: Vec<Digest> = (0..800)
+            .map(|i| Digest::sha256_of(format!("blob {i}").as_bytes()))
+            .collect();
+        let mut per_node = std::collections::HashMap::new();
+        for d in &digests {
+            *per_node
+                .entry(coordinator(d, &members).unwrap().id.clone())
+                .or_insert(0) += 1;
+        }
+        assert_eq!(per_node.len(), 8);
+        assert!(
+            per_node.values().all(|n| (50..150).contains(n)),
+            "{per_node:?}"
+        );
+        let without: Vec<Peer> = members[1..].to_vec();
+        for d in &digests {
+            let before = coordinator(d, &members).unwrap();
+            if before.id != members[0].id {
+                assert_eq!(coordinator(d, &without).unwrap().id, before.id);
+            }
+        }
+    }
+}
