@@ -18,6 +18,7 @@ use tokio_util::task::TaskTracker;
 
 use std::net::IpAddr;
 
+use crate::coalesce::{CoalesceConfig, Coalescer};
 use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
 use crate::containerd_config::{self, Action, Outcome, preflight};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap, taint::TaintConfig};
@@ -143,6 +144,8 @@ pub enum Peering {
         router: Arc<dyn Router>,
         fetch: PeerFetchConfig,
         tags: ResolveTags,
+        /// `Some(follow timeout)`: coordinate simultaneous misses.
+        coalesce: Option<Duration>,
         sync: SyncConfig,
     },
 }
@@ -169,6 +172,7 @@ pub struct PeerSetup {
     pub bootstrap_configured: bool,
     pub fetch: PeerFetchConfig,
     pub tags: ResolveTags,
+    pub coalesce: Option<Duration>,
     pub sync: SyncConfig,
 }
 
@@ -235,6 +239,7 @@ impl PeerSetup {
                 verify_before_serving: settings.verify_before_serving,
             },
             tags: settings.resolve_tags,
+            coalesce: settings.coalesce,
             sync: SyncConfig {
                 registries: config.registries.clone(),
                 filters: config.registry_filters.clone(),
@@ -311,15 +316,22 @@ pub async fn serve(
         Peering::P2p(mut setup) => {
             let kubernetes =
                 start_kubernetes_bootstrap(&config, kube.as_ref(), &setup, &token, &tracker);
-            start_router(&mut setup, kubernetes, &metrics, &token, &tracker)
-                .map(|router| (router, setup.fetch, setup.tags, setup.sync))
+            start_router(&mut setup, kubernetes, &metrics, &token, &tracker).map(|router| {
+                (
+                    router,
+                    setup.fetch,
+                    (setup.tags, setup.coalesce),
+                    setup.sync,
+                )
+            })
         }
         Peering::Router {
             router,
             fetch,
             tags,
+            coalesce,
             sync,
-        } => Some((router, fetch, tags, sync)),
+        } => Some((router, fetch, (tags, coalesce), sync)),
     };
     let secret = config.cluster_secret.clone();
     let fetcher = peers.as_ref().map(|(router, fetch, _, _)| {
@@ -334,7 +346,22 @@ pub async fn serve(
     let (exposed_tx, exposed) = sync::exposure();
     let tags = peers
         .as_ref()
-        .map_or(ResolveTags::Never, |(_, _, tags, _)| *tags);
+        .map_or(ResolveTags::Never, |(_, _, (tags, _), _)| *tags);
+    let coalesce = match (&peers, &fetcher) {
+        (Some((router, _, (_, Some(follow_timeout)), _)), Some(fetcher)) => {
+            Some(Arc::new(Coalescer::new(
+                router.clone(),
+                CoalesceConfig {
+                    follow_timeout: *follow_timeout,
+                    content_dir: config.containerd_content_dir.clone(),
+                    namespace: config.containerd_namespace.clone(),
+                },
+                metrics.clone(),
+                fetcher.clone(),
+            )))
+        }
+        _ => None,
+    };
     let upstream = (fetcher.is_some() && tags == ResolveTags::WhenUpstreamFails)
         .then(|| watch_upstream(&config, &metrics, &token))
         .flatten();
@@ -345,6 +372,8 @@ pub async fn serve(
         peers: fetcher,
         tags,
         upstream,
+        filters: config.registry_filters.clone(),
+        coalesce: coalesce.clone(),
     };
     spawn_server(
         &tracker,
@@ -360,6 +389,7 @@ pub async fn serve(
             metrics: metrics.clone(),
             secret,
             exposed,
+            coalesce,
         };
         spawn_server(
             &tracker,

@@ -117,6 +117,13 @@ pub struct Flags {
     /// [default: when-upstream-fails]
     #[arg(long, global = true, env = "FERRY_RESOLVE_TAGS", value_name = "WHEN")]
     pub resolve_tags: Option<String>,
+    /// Coordinate simultaneous misses: one node fetches upstream, the others stream its
+    /// download [default: true]
+    #[arg(long, global = true, env = "FERRY_COALESCE", value_name = "BOOL")]
+    pub coalesce: Option<String>,
+    /// How long a follower waits for the leader's first byte [default: 3s]
+    #[arg(long, global = true, env = "FERRY_FOLLOW_TIMEOUT", value_name = "DUR")]
+    pub follow_timeout: Option<String>,
     /// Replaced by --resolve-tags; kept only to say so
     #[arg(long, global = true, hide = true, env = "FERRY_RESOLVE_LATEST")]
     pub resolve_latest: Option<String>,
@@ -242,6 +249,8 @@ impl Flags {
             ("bootstrap-dns", &self.bootstrap_dns),
             ("resolve-timeout", &self.resolve_timeout),
             ("resolve-tags", &self.resolve_tags),
+            ("coalesce", &self.coalesce),
+            ("follow-timeout", &self.follow_timeout),
             ("provide-ttl", &self.provide_ttl),
             ("reprovide-interval", &self.reprovide_interval),
             ("p2p", &self.p2p),

@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 33] = [
+pub const KEYS: [(&str, &str); 35] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -33,6 +33,8 @@ pub const KEYS: [(&str, &str); 33] = [
     ("bootstrap-dns", ""),
     ("resolve-timeout", "20ms"),
     ("resolve-tags", "when-upstream-fails"),
+    ("coalesce", "true"),
+    ("follow-timeout", "3s"),
     ("provide-ttl", "30m"),
     ("reprovide-interval", "10m"),
     ("p2p", "true"),
@@ -103,6 +105,8 @@ pub struct P2pSettings {
     pub bootstrap_dns: Option<String>,
     pub resolve_timeout: Duration,
     pub resolve_tags: ResolveTags,
+    /// `Some(follow timeout)` when simultaneous misses are coordinated (`coalesce`).
+    pub coalesce: Option<Duration>,
     pub provide_ttl: Duration,
     pub reprovide_interval: Duration,
     pub peer_connect_timeout: Duration,
@@ -311,6 +315,9 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         bootstrap_dns,
         resolve_timeout: duration("resolve-timeout", &value("resolve-timeout"))?,
         resolve_tags: resolve_tags(value)?,
+        coalesce: boolean("coalesce", &value("coalesce"))?
+            .then(|| duration("follow-timeout", &value("follow-timeout")))
+            .transpose()?,
         provide_ttl,
         reprovide_interval,
         peer_connect_timeout: duration("peer-connect-timeout", &value("peer-connect-timeout"))?,

@@ -192,6 +192,7 @@ fn memory_peering_verifying(
         fetch,
         // There is no registry here at all: tags resolve through peers, as air-gapped.
         tags: ResolveTags::Always,
+        coalesce: None,
         sync: SyncConfig {
             registries: Registries::All,
             filters: RegistryFilters::default(),

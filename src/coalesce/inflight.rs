@@ -28,6 +28,14 @@ const POLL: Duration = Duration::from_millis(10);
 /// Read size per chunk (as the complete-blob fast path).
 const CHUNK: usize = 256 * 1024;
 
+/// What a wait for a download found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Landing {
+    InFlight(Ingest),
+    Committed,
+    Nothing,
+}
+
 /// A download in progress in containerd's ingest directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ingest {
@@ -63,13 +71,15 @@ impl Ingest {
     }
 
     /// Waits up to `wait` for the ingest of `digest` to appear (a leader's containerd starts
-    /// its download a moment after its Ferry said 404).
+    /// its download a moment after its Ferry said 404), or for the blob to be committed at
+    /// `committed` (a small blob may come and go between two looks).
     pub async fn wait_for(
         content_dir: &Path,
         namespace: &str,
         digest: &Digest,
+        committed: &Path,
         wait: Duration,
-    ) -> Option<Ingest> {
+    ) -> Landing {
         let deadline = Instant::now() + wait;
         loop {
             let (dir, ns, d) = (
@@ -81,8 +91,14 @@ impl Ingest {
                 .await
                 .ok()
                 .flatten();
-            if found.is_some() || Instant::now() >= deadline {
-                return found;
+            if let Some(ingest) = found {
+                return Landing::InFlight(ingest);
+            }
+            if committed.exists() {
+                return Landing::Committed;
+            }
+            if Instant::now() >= deadline {
+                return Landing::Nothing;
             }
             tokio::time::sleep(POLL).await;
         }
@@ -313,22 +329,44 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (bytes, digest) = blob(100);
         let content = tmp.path().to_path_buf();
+        let committed = content.join("blobs/sha256").join(digest.hex());
         let waiting = {
-            let (content, digest) = (content.clone(), digest.clone());
+            let (content, digest, committed) = (content.clone(), digest.clone(), committed.clone());
             tokio::spawn(async move {
-                Ingest::wait_for(&content, "k8s.io", &digest, Duration::from_secs(5)).await
+                Ingest::wait_for(
+                    &content,
+                    "k8s.io",
+                    &digest,
+                    &committed,
+                    Duration::from_secs(5),
+                )
+                .await
             })
         };
         tokio::time::sleep(Duration::from_millis(60)).await;
         ingest(&content, &digest, bytes.len(), &[]);
-        assert!(waiting.await.unwrap().is_some());
+        assert!(matches!(waiting.await.unwrap(), Landing::InFlight(_)));
+        // Committed already (came and went between two looks).
+        std::fs::remove_dir_all(content.join("ingest")).unwrap();
+        std::fs::write(&committed, &bytes).unwrap();
+        let found = Ingest::wait_for(
+            &content,
+            "k8s.io",
+            &digest,
+            &committed,
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(found, Landing::Committed);
+        let nobody = Digest::sha256_of(b"nobody downloads this");
         let none = Ingest::wait_for(
             &content,
             "k8s.io",
-            &Digest::sha256_of(b"nobody downloads this"),
+            &nobody,
+            &content.join("blobs/sha256").join(nobody.hex()),
             Duration::from_millis(50),
         )
         .await;
-        assert!(none.is_none());
+        assert_eq!(none, Landing::Nothing);
     }
 }

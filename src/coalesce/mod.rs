@@ -80,7 +80,7 @@ pub struct Coalescer {
     /// Digests this node's containerd is fetching from upstream as a leader, with the
     /// `(registry, repository)` it asked for: served in flight to followers while recorded.
     leading: Mutex<HashMap<Digest, (String, String, Instant)>>,
-    claims: Box<dyn ClaimSender>,
+    claims: Arc<dyn ClaimSender>,
 }
 
 impl std::fmt::Debug for Coalescer {
@@ -108,7 +108,7 @@ impl Coalescer {
         router: Arc<dyn Router>,
         config: CoalesceConfig,
         metrics: Arc<Metrics>,
-        claims: Box<dyn ClaimSender>,
+        claims: Arc<dyn ClaimSender>,
     ) -> Coalescer {
         Coalescer {
             router,
@@ -183,6 +183,22 @@ impl Coalescer {
         let mut leading = self.lock_leading();
         leading.retain(|_, (_, _, since)| since.elapsed() < LEASE);
         leading.contains_key(digest)
+    }
+
+    /// Whether this node leads `digest`, waiting up to [`CLAIM_TIMEOUT`] for it to: a
+    /// follower may ask as soon as the coordinator has granted the lease, before the grant's
+    /// answer has reached this node.
+    pub async fn leads_soon(&self, digest: &Digest) -> bool {
+        let deadline = Instant::now() + CLAIM_TIMEOUT;
+        loop {
+            if self.leads(digest) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 
     pub fn count(&self, role: &'static str, result: &'static str) {

@@ -1,7 +1,9 @@
 //! The mirror address: what this node's containerd may ask, and the only place Ferry asks
 //! other nodes. Its answers, explicitly:
 //! - `GET /v2/`: 200.
-//! - a manifest by digest, a blob: this node's store, then peers, then a 404 at once;
+//! - a manifest by digest, a blob: this node's store, then peers that hold it, then (when
+//!   several nodes miss it at once) the node downloading it as the leader (`coalesce`), then
+//!   a 404 at once;
 //! - a manifest by tag: never from this node's store (containerd already has that record and
 //!   asks only to hear the registry's); `--resolve-tags` sends it upstream (a 404 at once) or
 //!   through peers (see `tags.rs`);
@@ -20,9 +22,10 @@ use super::request::{self, Request};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};
 use super::{ApiError, HOP_HEADER};
+use crate::coalesce::{Coalescer, Decision};
 use crate::metrics::{Metrics, SourceLabels, TagLabels};
-use crate::oci::registry::Registries;
-use crate::oci::{ApiPath, Reference};
+use crate::oci::registry::{Registries, RegistryFilters};
+use crate::oci::{ApiPath, Digest, Reference};
 use crate::store::ContentStore;
 
 /// What the mirror's handler needs; shared read-only by every request.
@@ -38,6 +41,10 @@ pub struct MirrorState {
     /// Whether each registry answers; consulted for `ResolveTags::WhenUpstreamFails` only
     /// (`None`: every registry counts as answering).
     pub upstream: Option<UpstreamWatch>,
+    /// Which images are shared with peers: only those are coalesced.
+    pub filters: RegistryFilters,
+    /// Leader/follower coordination of simultaneous misses; `None` when off.
+    pub coalesce: Option<Arc<Coalescer>>,
 }
 
 impl std::fmt::Debug for MirrorState {
@@ -104,10 +111,16 @@ async fn answer(mirror: &Mirror, req: Request<'_>) -> Result<Response, ApiError>
                 .local
                 .manifest(req.head, None, name, reference.clone())
                 .await;
-            with_peers(mirror, &req, "manifest", local, |peers| {
+            let miss = with_peers(mirror, &req, "manifest", local, |peers| {
                 peers.manifest(peer_request(name), reference.clone())
             })
-            .await
+            .await;
+            match (miss, reference) {
+                (Err(ApiError::ManifestUnknown), Reference::Digest(digest)) => {
+                    follow(mirror, &req, name, digest, "manifest").await
+                }
+                (other, _) => other,
+            }
         }
         ApiPath::Blob { name, digest } => {
             let local = mirror.local.blob(req.head, req.headers, digest).await;
@@ -116,10 +129,14 @@ async fn answer(mirror: &Mirror, req: Request<'_>) -> Result<Response, ApiError>
                 range,
                 ..peer_request(name)
             };
-            with_peers(mirror, &req, "blob", local, |peers| {
+            match with_peers(mirror, &req, "blob", local, |peers| {
                 peers.blob(request, digest.clone())
             })
             .await
+            {
+                Err(ApiError::BlobUnknown) => follow(mirror, &req, name, digest, "blob").await,
+                other => other,
+            }
         }
         ApiPath::Upload { .. } | ApiPath::TagsList { .. } => Err(ApiError::Unsupported),
     }
@@ -189,6 +206,71 @@ async fn resolve_tag(
             Err(ApiError::ManifestUnknown)
         }
     }
+}
+
+/// A miss nobody holds: coordinate with the nodes missing it too. This node leads (a 404, its
+/// containerd goes upstream), or follows the leader's download; a leader that gives nothing
+/// is reported and the decision taken again, once. Anything else is a 404, as without.
+async fn follow(
+    mirror: &Mirror,
+    req: &Request<'_>,
+    name: &str,
+    digest: &Digest,
+    kind: &'static str,
+) -> Result<Response, ApiError> {
+    let miss = || {
+        Err(if kind == "blob" {
+            ApiError::BlobUnknown
+        } else {
+            ApiError::ManifestUnknown
+        })
+    };
+    let state = &mirror.state;
+    let (Some(coalesce), Some(peers), Some(ns)) = (
+        state.coalesce.as_deref(),
+        state.peers.as_deref(),
+        req.ns.as_deref(),
+    ) else {
+        return miss();
+    };
+    // Not shared with peers (filters): not coordinated either. From a peer: never forwarded.
+    if req.headers.contains_key(HOP_HEADER) || !state.filters.allows(&format!("{ns}/{name}")) {
+        return miss();
+    }
+    let range = req.headers.get(header::RANGE).and_then(|v| v.to_str().ok());
+    let request = PeerRequest {
+        name,
+        ns: Some(ns),
+        head: req.head,
+        range,
+    };
+    let wait = coalesce.config().follow_timeout;
+    let mut failed = None;
+    for _ in 0..2 {
+        let leader = match coalesce.decide(digest, ns, name, failed.as_ref()).await {
+            Decision::Follow(leader) => leader,
+            Decision::Lead | Decision::Alone => return miss(),
+        };
+        let got = if kind == "blob" {
+            peers
+                .blob_following(request, digest.clone(), &leader, wait)
+                .await
+        } else {
+            peers
+                .manifest_following(request, digest.clone(), &leader, wait)
+                .await
+        };
+        if let Some(response) = got {
+            coalesce.count("follower", "served");
+            count_served(state, kind, "inflight");
+            tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
+            return Ok(response);
+        }
+        coalesce.count("follower", "failed");
+        tracing::info!(%digest, leader = %leader.id, "the leader gave nothing in time; reporting it");
+        failed = Some(leader);
+    }
+    miss()
 }
 
 /// Local first; on a local miss, other nodes (unless this request came from a peer: a peer

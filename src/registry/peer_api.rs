@@ -5,27 +5,53 @@
 //! - a manifest by digest or by tag, a blob: from this node's own store, and only what this
 //!   node advertises (so `--registries` and `--registry-filters` hold for serving too). Tags
 //!   are served here: that is how another node resolves one while its registry is down.
+//! - a blob or manifest by digest this node is fetching from upstream as a coalescing leader,
+//!   asked with the follow header: streamed out of containerd's download in progress;
+//! - `POST /_ferry/v1/claim/<digest>`: who leads that digest's download (this node as the
+//!   digest's coordinator, see `coalesce`);
 //! - anything else: refused. Nothing is ever asked of other nodes from here, so a request
 //!   travels one hop at most.
 
 use std::sync::Arc;
 
+use std::collections::HashMap;
+use std::time::Duration;
+
 use axum::Router;
-use axum::extract::State;
-use axum::http::{HeaderMap, Method, Uri};
-use axum::response::Response;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures::TryStreamExt;
 use tokio::sync::watch;
 
 use super::ApiError;
 use super::local::Local;
+use super::peer_fetch::ClaimAnswer;
 use super::request::{self, Request};
+use crate::coalesce::inflight::{Ingest, Landing};
+use crate::coalesce::{CLAIM_PATH, Coalescer, FOLLOW_HEADER};
 use crate::metrics::{Metrics, ReasonLabels};
+use crate::oci::manifest::{MAX_MANIFEST_BYTES, sniff_media_type};
 use crate::oci::registry::Registries;
 use crate::oci::{ApiPath, Reference};
+use crate::oci::{DOCKER_CONTENT_DIGEST, Digest};
+use crate::routing::Peer;
 use crate::routing::sync::Exposed;
 use crate::routing::{digest_key, tag_key};
 use crate::store::ContentStore;
+use crate::store::{ByteStream, StoreError};
 use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
+
+/// A leader's download that lands nothing for this long is given up on by its followers'
+/// streams (they resume elsewhere): as `--peer-idle-timeout`'s default.
+const IN_FLIGHT_IDLE: Duration = Duration::from_secs(5);
+
+/// containerd renames a download into place, then records the commit: a blob whose file is
+/// there may be unknown to containerd for a moment. Asked again this often, this many times.
+const COMMIT_RECORD_POLL: Duration = Duration::from_millis(10);
+const COMMIT_RECORD_TRIES: usize = 50;
 
 /// What the peer address's handler needs; shared read-only by every request.
 #[derive(Clone)]
@@ -35,8 +61,11 @@ pub struct PeerApiState {
     pub metrics: Arc<Metrics>,
     /// Who may ask: `None` serves anyone (Ferry warns loudly at start).
     pub secret: Option<ClusterSecret>,
-    /// What this node advertises: the peer address serves nothing else.
+    /// What this node advertises: the peer address serves nothing else (but what it is
+    /// downloading as a coalescing leader, to followers).
     pub exposed: watch::Receiver<Exposed>,
+    /// Claims and in-flight serving; `None` when coalescing is off.
+    pub coalesce: Option<Arc<Coalescer>>,
 }
 
 impl std::fmt::Debug for PeerApiState {
@@ -60,8 +89,46 @@ pub fn router(state: PeerApiState) -> Router {
         metrics: state.metrics.clone(),
     };
     Router::new()
+        .route(&format!("{CLAIM_PATH}{{digest}}"), post(claim))
         .fallback(handle)
         .with_state(Arc::new(PeerApi { state, local }))
+}
+
+/// A claim from another node: this node coordinates the digest.
+async fn claim(
+    State(api): State<Arc<PeerApi>>,
+    Path(digest): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let state = &api.state;
+    if let Err(e) = authorize(state, &method, &uri, &headers) {
+        return e.into_response();
+    }
+    let Some(coalesce) = &state.coalesce else {
+        return ApiError::Unsupported.into_response();
+    };
+    let digest = match digest.parse::<Digest>() {
+        Ok(d) => d,
+        Err(e) => return ApiError::Path(crate::oci::PathError::DigestInvalid(e)).into_response(),
+    };
+    let query: HashMap<String, String> =
+        form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+            .into_owned()
+            .collect();
+    let claimant = match (
+        query.get("peer"),
+        query.get("addr").and_then(|a| a.parse().ok()),
+    ) {
+        (Some(id), Some(addr)) => Peer {
+            id: id.clone(),
+            addr,
+        },
+        _ => return ApiError::Unsupported.into_response(),
+    };
+    let grant = coalesce.claim(&digest, &claimant, query.get("failed").map(String::as_str));
+    axum::Json(ClaimAnswer::from_grant(&grant)).into_response()
 }
 
 async fn handle(
@@ -82,6 +149,14 @@ async fn handle(
 }
 
 async fn answer(api: &PeerApi, req: Request<'_>) -> Result<Response, ApiError> {
+    if let (Some(coalesce), Some(digest), true) = (
+        &api.state.coalesce,
+        by_digest(&req.path),
+        req.headers.contains_key(FOLLOW_HEADER),
+    ) && coalesce.leads_soon(digest).await
+    {
+        return in_flight(api, coalesce, &req, digest).await;
+    }
     if !exposed(&api.state, &req.path, req.ns.as_deref()) {
         return Err(match req.path {
             ApiPath::Manifest { .. } => ApiError::ManifestUnknown,
@@ -98,6 +173,152 @@ async fn answer(api: &PeerApi, req: Request<'_>) -> Result<Response, ApiError> {
         ApiPath::Blob { digest, .. } => api.local.blob(req.head, req.headers, &digest).await,
         ApiPath::Upload { .. } | ApiPath::TagsList { .. } => Err(ApiError::Unsupported),
     }
+}
+
+fn by_digest(path: &ApiPath) -> Option<&Digest> {
+    match path {
+        ApiPath::Blob { digest, .. } => Some(digest),
+        ApiPath::Manifest {
+            reference: Reference::Digest(d),
+            ..
+        } => Some(d),
+        _ => None,
+    }
+}
+
+/// A follower asks for what this node leads: from the store if containerd has committed it
+/// already, else out of containerd's download as it lands.
+async fn in_flight(
+    api: &PeerApi,
+    coalesce: &Coalescer,
+    req: &Request<'_>,
+    digest: &Digest,
+) -> Result<Response, ApiError> {
+    let complete = || async {
+        match &req.path {
+            ApiPath::Manifest { name, reference } => {
+                api.local
+                    .manifest(req.head, None, name, reference.clone())
+                    .await
+            }
+            _ => api.local.blob(req.head, req.headers, digest).await,
+        }
+    };
+    if let Ok(response) = complete().await {
+        return Ok(response);
+    }
+    let config = coalesce.config();
+    let committed = crate::store::containerd::files::blob_path(&config.content_dir, digest);
+    let landing = Ingest::wait_for(
+        &config.content_dir,
+        &config.namespace,
+        digest,
+        &committed,
+        config.follow_timeout,
+    )
+    .await;
+    let ingest = match landing {
+        Landing::InFlight(ingest) => ingest,
+        // Committed meanwhile: containerd records the commit just after the rename.
+        Landing::Committed => {
+            for _ in 0..COMMIT_RECORD_TRIES {
+                if let Ok(response) = complete().await {
+                    return Ok(response);
+                }
+                tokio::time::sleep(COMMIT_RECORD_POLL).await;
+            }
+            return complete().await;
+        }
+        // Never started: the follower goes elsewhere.
+        Landing::Nothing => return complete().await,
+    };
+    let range = match req.headers.get(header::RANGE) {
+        Some(v) => {
+            let v = v
+                .to_str()
+                .map_err(|_| crate::oci::RangeError::Malformed("not ASCII"))?;
+            Some(crate::oci::range::parse(v, ingest.total)?)
+        }
+        None => None,
+    };
+    let (start, len) = range.map_or((0, ingest.total), |r| (r.start, r.len()));
+    if start + len != ingest.total {
+        // containerd resumes with `bytes=<offset>-`: only ranges to the end are served in
+        // flight (the follower then resumes elsewhere).
+        return Err(ApiError::BlobUnknown);
+    }
+    let stream = match ingest.read_from(start, committed, IN_FLIGHT_IDLE).await {
+        Ok(stream) => stream,
+        // Committed between the look and the open (the data file was renamed).
+        Err(_) => {
+            tokio::time::sleep(COMMIT_RECORD_POLL).await;
+            return complete().await;
+        }
+    };
+    let is_manifest = matches!(req.path, ApiPath::Manifest { .. });
+    if is_manifest {
+        return in_flight_manifest(req.head, digest, stream, ingest.total).await;
+    }
+    let mut response = Response::builder()
+        .status(if range.is_some() {
+            StatusCode::PARTIAL_CONTENT
+        } else {
+            StatusCode::OK
+        })
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, len)
+        .header(header::ACCEPT_RANGES, "bytes")
+        .header(DOCKER_CONTENT_DIGEST, digest.to_string());
+    if let Some(r) = range
+        && let Ok(v) = HeaderValue::from_str(&r.content_range(ingest.total))
+    {
+        response = response.header(header::CONTENT_RANGE, v);
+    }
+    if req.head {
+        return Ok(response.body(Body::empty()).unwrap_or_default());
+    }
+    tracing::debug!(%digest, start, total = ingest.total, "serving a follower from the download in progress");
+    let counter = api.state.metrics.inflight_bytes.clone();
+    // Content-Length is set: a stream that errors (the download aborted or stalled) makes
+    // hyper cut the connection, and the follower resumes elsewhere; never a short blob.
+    let body = Body::from_stream(stream.inspect_ok(move |c| {
+        counter.inc_by(c.len() as u64);
+    }));
+    Ok(response.body(body).unwrap_or_default())
+}
+
+/// A manifest in flight: read whole (they are small), checked, then served like a stored one.
+async fn in_flight_manifest(
+    head: bool,
+    digest: &Digest,
+    stream: ByteStream,
+    total: u64,
+) -> Result<Response, ApiError> {
+    if total > MAX_MANIFEST_BYTES {
+        return Err(ApiError::ManifestUnknown);
+    }
+    let bytes: Vec<u8> = stream
+        .try_fold(Vec::new(), |mut all, c| async move {
+            all.extend_from_slice(&c);
+            Ok(all)
+        })
+        .await
+        .map_err(|e| ApiError::manifest(StoreError::Io(e)))?;
+    if !digest.matches(&bytes) {
+        return Err(ApiError::ManifestUnknown);
+    }
+    let media_type = sniff_media_type(&bytes).ok_or(ApiError::ManifestUnknown)?;
+    let response = Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, media_type)
+        .header(header::CONTENT_LENGTH, bytes.len())
+        .header(DOCKER_CONTENT_DIGEST, digest.to_string());
+    let body = if head {
+        Body::empty()
+    } else {
+        Body::from(bytes)
+    };
+    Ok(response.body(body).unwrap_or_default())
 }
 
 /// Peer requests carry a token signed with the cluster secret (when there is one). Checked

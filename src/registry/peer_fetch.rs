@@ -14,6 +14,8 @@ use futures::StreamExt;
 
 use super::HOP_HEADER;
 use super::resume::{Fetch, ResumingBody};
+use crate::coalesce::leases::Grant;
+use crate::coalesce::{CLAIM_PATH, ClaimSender, FOLLOW_HEADER};
 use crate::metrics::{Metrics, ResultLabels, SourceLabels, StageLabels};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
@@ -124,6 +126,29 @@ impl PeerFetcher {
     /// larger ones stream through, hashed on the way.
     pub async fn blob(&self, req: PeerRequest<'_>, digest: Digest) -> Option<Response> {
         let providers = self.providers(&digest_key(&digest)).await;
+        self.blob_from(req, digest, providers, None).await
+    }
+
+    /// A blob from `leader`, whose containerd is downloading it now: its Ferry streams the
+    /// download as it lands (after waiting up to `wait` for it to start).
+    pub async fn blob_following(
+        &self,
+        req: PeerRequest<'_>,
+        digest: Digest,
+        leader: &Peer,
+        wait: Duration,
+    ) -> Option<Response> {
+        self.blob_from(req, digest, vec![leader.clone()], Some(wait))
+            .await
+    }
+
+    async fn blob_from(
+        &self,
+        req: PeerRequest<'_>,
+        digest: Digest,
+        providers: Vec<Peer>,
+        follow: Option<Duration>,
+    ) -> Option<Response> {
         let path = format!("/v2/{}/blobs/{digest}", req.name);
         let mut candidates = providers.into_iter();
         while let Some(peer) = candidates.next() {
@@ -132,7 +157,10 @@ impl PeerFetcher {
                 continue;
             }
             let method = if req.head { "HEAD" } else { "GET" };
-            let Some(response) = self.send(&peer, method, &path, req.ns, req.range).await else {
+            let Some(response) = self
+                .send(&peer, method, &path, req.ns, req.range, follow)
+                .await
+            else {
                 continue;
             };
             let status = response.status();
@@ -208,7 +236,7 @@ impl PeerFetcher {
     ) -> Result<Bytes, (&'static str, String)> {
         let response = if fetch.partial {
             drop(response);
-            match self.send(peer, "GET", path, ns, None).await {
+            match self.send(peer, "GET", path, ns, None, None).await {
                 Some(r) if r.status() == StatusCode::OK => r,
                 Some(r) => return Err(("status", r.status().to_string())),
                 None => return Err(("connect", "no whole blob".into())),
@@ -236,6 +264,7 @@ impl PeerFetcher {
         path: &str,
         ns: Option<&str>,
         range: Option<&str>,
+        follow: Option<Duration>,
     ) -> Option<reqwest::Response> {
         let target = path_and_query(path, ns);
         let url = format!("http://{}{target}", peer.addr);
@@ -244,6 +273,15 @@ impl PeerFetcher {
             _ => self.client.get(&url),
         };
         request = request.header(HOP_HEADER, "1");
+        // A leader answers once its download has started: its wait is part of ours.
+        let first_byte = match follow {
+            Some(wait) => {
+                request = request.header(FOLLOW_HEADER, "1");
+                wait + self.config.first_byte_timeout
+            }
+            None => self.config.first_byte_timeout,
+        };
+        let started = Instant::now();
         if let Some(secret) = &self.secret {
             request = request.header(TOKEN_HEADER, token::sign(secret, method, &target));
         }
@@ -253,8 +291,15 @@ impl PeerFetcher {
         if path.contains("/manifests/") {
             request = request.header(header::ACCEPT, MANIFEST_ACCEPT);
         }
-        match tokio::time::timeout(self.config.first_byte_timeout, request.send()).await {
-            Ok(Ok(r)) => Some(r),
+        match tokio::time::timeout(first_byte, request.send()).await {
+            Ok(Ok(r)) => {
+                if follow.is_some() {
+                    self.metrics
+                        .follow_wait
+                        .observe(started.elapsed().as_secs_f64());
+                }
+                Some(r)
+            }
             Ok(Err(e)) => {
                 self.peer_failed(peer, "connect", &e.to_string());
                 None
@@ -284,9 +329,36 @@ impl PeerFetcher {
             // Whether a tag may be resolved here at all is the mirror's decision (tags.rs).
             Reference::Tag(tag) => tag_key(req.ns?, req.name, tag),
         };
+        let providers = self.providers(&key).await;
+        self.manifest_from(req, reference, providers, None).await
+    }
+
+    /// A manifest by digest from `leader`, whose containerd is downloading it now.
+    pub async fn manifest_following(
+        &self,
+        req: PeerRequest<'_>,
+        digest: Digest,
+        leader: &Peer,
+        wait: Duration,
+    ) -> Option<Response> {
+        let reference = Reference::Digest(digest);
+        self.manifest_from(req, reference, vec![leader.clone()], Some(wait))
+            .await
+    }
+
+    async fn manifest_from(
+        &self,
+        req: PeerRequest<'_>,
+        reference: Reference,
+        providers: Vec<Peer>,
+        follow: Option<Duration>,
+    ) -> Option<Response> {
         let path = format!("/v2/{}/manifests/{reference}", req.name);
-        for peer in self.providers(&key).await {
-            match self.fetch_manifest(&peer, &path, req.ns, &reference).await {
+        for peer in providers {
+            match self
+                .fetch_manifest(&peer, &path, req.ns, &reference, follow)
+                .await
+            {
                 Ok((media_type, digest, bytes)) => {
                     let len = bytes.len();
                     let body = if req.head {
@@ -323,9 +395,10 @@ impl PeerFetcher {
         path: &str,
         ns: Option<&str>,
         reference: &Reference,
+        follow: Option<Duration>,
     ) -> Result<(String, Digest, Bytes), (&'static str, String)> {
         let response = self
-            .send(peer, "GET", path, ns, None)
+            .send(peer, "GET", path, ns, None, follow)
             .await
             .ok_or(("connect", "no response".to_string()))?;
         if response.status() != StatusCode::OK {
@@ -633,5 +706,91 @@ impl Fetch {
             out = out.header(header::CONTENT_RANGE, v);
         }
         out.body(body).unwrap_or_default()
+    }
+}
+
+/// What the coordinator answers a claim with (JSON on the peer address).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct ClaimAnswer {
+    pub lead: bool,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub leader: Option<ClaimPeer>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct ClaimPeer {
+    pub id: String,
+    pub addr: std::net::SocketAddr,
+}
+
+impl ClaimAnswer {
+    pub fn from_grant(grant: &Grant) -> ClaimAnswer {
+        match grant {
+            Grant::Lead => ClaimAnswer {
+                lead: true,
+                leader: None,
+            },
+            Grant::Follow(p) => ClaimAnswer {
+                lead: false,
+                leader: Some(ClaimPeer {
+                    id: p.id.clone(),
+                    addr: p.addr,
+                }),
+            },
+        }
+    }
+}
+
+/// `<CLAIM_PATH><digest>?peer=<id>&addr=<addr>[&failed=<id>]`, as sent and as signed.
+pub fn claim_target(digest: &Digest, claimant: &Peer, failed: Option<&str>) -> String {
+    let mut query = form_urlencoded::Serializer::new(String::new());
+    query.append_pair("peer", &claimant.id);
+    query.append_pair("addr", &claimant.addr.to_string());
+    if let Some(f) = failed {
+        query.append_pair("failed", f);
+    }
+    format!("{CLAIM_PATH}{digest}?{}", query.finish())
+}
+
+#[async_trait::async_trait]
+impl ClaimSender for PeerFetcher {
+    async fn claim(
+        &self,
+        coordinator: &Peer,
+        digest: &Digest,
+        claimant: &Peer,
+        failed: Option<&str>,
+    ) -> Option<Grant> {
+        let target = claim_target(digest, claimant, failed);
+        let mut request = self
+            .client
+            .post(format!("http://{}{target}", coordinator.addr))
+            .header(HOP_HEADER, "1");
+        if let Some(secret) = &self.secret {
+            request = request.header(TOKEN_HEADER, token::sign(secret, "POST", &target));
+        }
+        let response = match request.send().await {
+            Ok(r) if r.status() == StatusCode::OK => r,
+            Ok(r) => {
+                tracing::debug!(coordinator = %coordinator.id, status = %r.status(), "claim refused");
+                return None;
+            }
+            Err(e) => {
+                tracing::debug!(coordinator = %coordinator.id, error = %e, "claim not answered");
+                return None;
+            }
+        };
+        let body = read_capped(response, 4096, self.config.idle_timeout)
+            .await
+            .ok()?;
+        let answer: ClaimAnswer = serde_json::from_slice(&body).ok()?;
+        match (answer.lead, answer.leader) {
+            (true, _) => Some(Grant::Lead),
+            (false, Some(p)) => Some(Grant::Follow(Peer {
+                id: p.id,
+                addr: p.addr,
+            })),
+            (false, None) => None,
+        }
     }
 }

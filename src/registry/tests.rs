@@ -77,6 +77,8 @@ async fn call_at(
             peers: None,
             tags: ResolveTags::Always,
             upstream: None,
+            filters: Default::default(),
+            coalesce: None,
         }),
         Address::Peer => {
             let keys: BTreeSet<String> = [
@@ -93,6 +95,7 @@ async fn call_at(
                 metrics: f.metrics.clone(),
                 secret: None,
                 exposed,
+                coalesce: None,
             })
         }
     };

@@ -2,7 +2,7 @@
 //! blob bytes straight from the content directory when it is readable.
 
 mod channel;
-mod files;
+pub mod files;
 
 pub use files::blob_path;
 
