@@ -21,6 +21,7 @@ const LAYER_BYTES: usize = 12 * 1024 * 1024;
 /// The upstream link: slow enough that every download is still in flight when the other
 /// nodes ask (12 MiB layers take about half a second each at this rate).
 const UPSTREAM_RATE: &str = "200mbit";
+const FAULT_RATE: &str = "50mbit";
 
 struct Cluster {
     nodes: Vec<Node>,
@@ -28,37 +29,32 @@ struct Cluster {
     registry_addr: SocketAddr,
 }
 
-fn cluster(net: &mut Net, dir: &Path) -> Cluster {
+fn cluster(net: &mut Net, dir: &Path, rate: &str) -> Cluster {
     let (registry, registry_addr) = registry_host(net, dir, "up", 1);
     let status = in_netns(Some(&net.namespaces[0]), "tc")
         .args([
-            "qdisc",
-            "add",
-            "dev",
-            "eth0",
-            "root",
-            "tbf",
-            "rate",
-            UPSTREAM_RATE,
-            "burst",
-            "256kb",
-            "latency",
-            "100ms",
+            "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "256kb",
+            "latency", "100ms",
         ])
         .status()
         .unwrap();
     assert!(status.success(), "tc tbf");
-    let first = Node::start(net, dir, "n1", 11, registry_addr, &[]);
-    let seed = format!("{}:{P2P_PORT}", first.ip);
-    let mut nodes = vec![first];
-    for i in 2..=NODES {
+    // Every node bootstraps from all the others, as with the Kubernetes bootstrap (every
+    // Ferry pod): a restarted node finds them all again at once.
+    let mut nodes = Vec::new();
+    for i in 1..=NODES {
+        let others: Vec<String> = (1..=NODES)
+            .filter(|j| *j != i)
+            .map(|j| format!("{}:{P2P_PORT}", net.host_ip(10 + j)))
+            .collect();
+        let others = others.join(",");
         nodes.push(Node::start(
             net,
             dir,
             &format!("n{i}"),
             10 + i,
             registry_addr,
-            &["--bootstrap-peers", &seed],
+            &["--bootstrap-peers", &others],
         ));
     }
     // Every node sees every other: they all pick the same coordinator for a digest.
@@ -135,12 +131,22 @@ fn sum(nodes: &[Node], metric: &str) -> u64 {
     nodes.iter().map(|n| n.metric(metric)).sum()
 }
 
+/// Storms share the machine's two cores and the upstream link's timing: one at a time.
+static ONE_STORM_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_STORM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn four_nodes_pulling_one_new_image_at_once_fetch_each_blob_upstream_once() {
+    let _one = serial();
     let mut net = Net::new();
     let (tmp, dir) = test_dir();
     let dir = dir.as_path();
-    let c = cluster(&mut net, dir);
+    let c = cluster(&mut net, dir, UPSTREAM_RATE);
     let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
     image.push(c.registry_addr, "team/app");
     let reference = format!("{}/team/app:v1", c.registry_addr);
@@ -183,6 +189,194 @@ fn four_nodes_pulling_one_new_image_at_once_fetch_each_blob_upstream_once() {
         sum(&c.nodes, "ferry_inflight_bytes_total") > 0,
         "some bytes came from a download in progress"
     );
+
+    drop(c);
+    drop(tmp);
+    drop(net);
+}
+
+/// A new image `tag` (its own random layers), pushed upstream; its reference.
+fn new_image(c: &Cluster, dir: &Path, tag: &str) -> (Image, String) {
+    let image = Image::generate_seeded(&dir.join(tag), tag, LAYERS, LAYER_BYTES, tag);
+    image.push(c.registry_addr, "team/app");
+    (image, format!("{}/team/app:{tag}", c.registry_addr))
+}
+
+/// Every node committed every digest of `image` byte for byte.
+fn all_content_right(nodes: &[&Node], image: &Image) {
+    for node in nodes {
+        for digest in image.digests() {
+            assert!(
+                committed_matches(node, &digest),
+                "{}: {digest} missing or wrong",
+                node.name
+            );
+        }
+    }
+}
+
+/// The node serving followers out of its download right now (in-flight bytes growing past
+/// `before` by at least 1 MiB: mid-blob).
+fn leader_mid_blob(nodes: &[Node], before: &[u64]) -> usize {
+    let mut found = None;
+    wait_for("a leader serving its followers mid-blob", || {
+        found = nodes
+            .iter()
+            .zip(before)
+            .position(|(n, b)| n.metric("ferry_inflight_bytes_total") > b + (1 << 20));
+        found.is_some()
+    });
+    found.unwrap()
+}
+
+fn inflight(nodes: &[Node]) -> Vec<u64> {
+    nodes
+        .iter()
+        .map(|n| n.metric("ferry_inflight_bytes_total"))
+        .collect()
+}
+
+/// This node's libp2p peer ID, from its Ferry's start-up line.
+fn peer_id(node: &Node) -> String {
+    node.ferry
+        .log_text()
+        .lines()
+        .find(|l| l.contains("peer-to-peer node started"))
+        .and_then(|l| l.split("peer_id=").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{}: no peer ID in its log", node.name))
+        .to_string()
+}
+
+#[test]
+fn faults_during_a_storm_never_fail_a_pull_or_commit_a_wrong_byte() {
+    let _one = serial();
+    let mut net = Net::new();
+    let (tmp, dir) = test_dir();
+    let dir = dir.as_path();
+    // Slower, so that a fault can be injected while the leader is mid-blob (a layer takes
+    // about two seconds).
+    let mut c = cluster(&mut net, dir, FAULT_RATE);
+
+    // 1. The leader's Ferry is killed mid-blob: its followers' transfers are cut, and
+    //    containerd resumes them (from another leader, or upstream with a Range).
+    let (image, reference) = new_image(&c, dir, "ferry-killed");
+    let before = inflight(&c.nodes);
+    let leader = std::thread::scope(|s| {
+        let pulls = s.spawn(|| storm(&c.nodes, std::slice::from_ref(&reference)));
+        let leader = leader_mid_blob(&c.nodes, &before);
+        c.nodes[leader].ferry.signal("KILL");
+        for (node, result) in c.nodes.iter().zip(pulls.join().unwrap()) {
+            if let Err(out) = result {
+                panic!(
+                    "{}'s pull failed with the leader's Ferry killed:\n{out}",
+                    node.name
+                );
+            }
+        }
+        leader
+    });
+    eprintln!(
+        "leader {} lost its Ferry mid-blob; every pull succeeded",
+        c.nodes[leader].name
+    );
+    all_content_right(&c.nodes.iter().collect::<Vec<_>>(), &image);
+    c.nodes[leader].start_ferry();
+    wait_for("the restarted node connected to every other", || {
+        c.nodes[leader].metric("ferry_peers_connected") >= u64::from(NODES - 1)
+    });
+
+    // 2. The leader's containerd is killed mid-download: its followers hear nothing more,
+    //    stop following it and fetch the rest themselves. The leader's own pull dies with its
+    //    containerd; after a restart, it pulls again.
+    let (image, reference) = new_image(&c, dir, "containerd-killed");
+    let before = inflight(&c.nodes);
+    let (leader, results) = std::thread::scope(|s| {
+        let pulls = s.spawn(|| storm(&c.nodes, std::slice::from_ref(&reference)));
+        let leader = leader_mid_blob(&c.nodes, &before);
+        c.nodes[leader].containerd.proc.signal("KILL");
+        (leader, pulls.join().unwrap())
+    });
+    for (i, (node, result)) in c.nodes.iter().zip(&results).enumerate() {
+        if i != leader
+            && let Err(out) = result
+        {
+            panic!(
+                "{}'s pull failed with the leader's containerd killed:\n{out}",
+                node.name
+            );
+        }
+    }
+    let followers: Vec<&Node> = c
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != leader)
+        .map(|(_, n)| n)
+        .collect();
+    all_content_right(&followers, &image);
+    c.nodes[leader].containerd.restart();
+    c.nodes[leader]
+        .try_pull(&reference)
+        .unwrap_or_else(|out| panic!("the leader's pull after its containerd restarted:\n{out}"));
+    all_content_right(&[&c.nodes[leader]], &image);
+
+    // 3. The coordinator of the image's first layer is killed as the storm starts: claims to
+    //    it fail at once and the misses go upstream, as without coalescing.
+    let (image, reference) = new_image(&c, dir, "coordinator-killed");
+    let ids: Vec<ferry::routing::Peer> = c
+        .nodes
+        .iter()
+        .map(|n| ferry::routing::Peer {
+            id: peer_id(n),
+            addr: SocketAddr::new(n.ip.into(), support::cluster::PEER_PORT),
+        })
+        .collect();
+    let first_layer: ferry::oci::Digest = image.layers[0].parse().unwrap();
+    let coordinator = ferry::coalesce::rendezvous::coordinator(&first_layer, &ids).unwrap();
+    let coordinator = ids.iter().position(|p| p == coordinator).unwrap();
+    std::thread::scope(|s| {
+        let pulls = s.spawn(|| storm(&c.nodes, std::slice::from_ref(&reference)));
+        c.nodes[coordinator].ferry.signal("KILL");
+        for (node, result) in c.nodes.iter().zip(pulls.join().unwrap()) {
+            if let Err(out) = result {
+                panic!(
+                    "{}'s pull failed with the coordinator killed:\n{out}",
+                    node.name
+                );
+            }
+        }
+    });
+    all_content_right(&c.nodes.iter().collect::<Vec<_>>(), &image);
+    c.nodes[coordinator].start_ferry();
+    wait_for("the restarted coordinator connected to every other", || {
+        c.nodes
+            .iter()
+            .all(|n| n.metric("ferry_peers_connected") >= u64::from(NODES - 1))
+    });
+
+    // 4. Two different images storm at once (half the nodes each): each of their manifests
+    //    and blobs is fetched upstream once.
+    let (a, ref_a) = new_image(&c, dir, "storm-a");
+    let (b, ref_b) = new_image(&c, dir, "storm-b");
+    let since = c.registry.requests().len();
+    let results = storm(&c.nodes, &[ref_a.clone(), ref_b.clone()]);
+    for (node, result) in c.nodes.iter().zip(&results) {
+        if let Err(out) = result {
+            panic!("{}'s pull failed in a two-image storm:\n{out}", node.name);
+        }
+    }
+    let gets = upstream_gets(&c.registry, since);
+    for digest in a.digests().into_iter().chain(b.digests()) {
+        let fetched: usize = gets
+            .iter()
+            .filter(|(uri, _)| uri.ends_with(&digest))
+            .map(|(_, n)| n)
+            .sum();
+        assert_eq!(fetched, 1, "{digest}: {gets:?}");
+    }
+    all_content_right(&[&c.nodes[0], &c.nodes[2]], &a);
+    all_content_right(&[&c.nodes[1], &c.nodes[3]], &b);
 
     drop(c);
     drop(tmp);

@@ -104,6 +104,35 @@ impl Ingest {
         }
     }
 
+    /// Whether the download is alive: its file changed within `live` (a download that has
+    /// just started, or is receiving), or grows before `deadline`. A download whose containerd
+    /// died, or whose upstream refused it, leaves its ingest behind, still: it must not be
+    /// followed. `false` too when the file is gone (committed or aborted: the caller looks).
+    pub async fn landing(&self, offset: u64, live: Duration, deadline: Instant) -> bool {
+        let data = self.dir.join("data");
+        let Ok(first) = tokio::fs::metadata(&data).await else {
+            return false;
+        };
+        let recent = first
+            .modified()
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|age| age < live);
+        if recent {
+            return true;
+        }
+        let start = first.len();
+        while Instant::now() < deadline {
+            tokio::time::sleep(POLL).await;
+            match tokio::fs::metadata(&data).await {
+                Ok(m) if m.len() > start && m.len() > offset => return true,
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+
     /// The blob from byte `offset` to the end, as it lands. `committed` is where the blob
     /// will be once containerd commits it (to tell a commit from an abort).
     pub async fn read_from(
@@ -322,6 +351,30 @@ mod tests {
             .await
             .unwrap();
         assert!(all(stalled).await.is_err(), "stalled");
+    }
+
+    #[tokio::test]
+    async fn a_still_ingest_is_not_followed_and_a_growing_one_is() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (bytes, digest) = blob(10_000);
+        let dir = ingest(tmp.path(), &digest, bytes.len(), &bytes[..2000]);
+        let found = Ingest::find(tmp.path(), "k8s.io", &digest).unwrap();
+        let soon = || Instant::now() + Duration::from_millis(100);
+        // Written just now: live (its bytes may still be on their way).
+        assert!(found.landing(0, Duration::from_secs(2), soon()).await);
+        // Old bytes (a dead containerd's leftovers): not live until new ones come.
+        assert!(!found.landing(0, Duration::ZERO, soon()).await);
+        let data = dir.join("data");
+        let grower = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            append(&data, &[1, 2, 3]);
+        });
+        assert!(
+            found
+                .landing(0, Duration::ZERO, Instant::now() + Duration::from_secs(2))
+                .await
+        );
+        grower.await.unwrap();
     }
 
     #[tokio::test]

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -49,7 +49,8 @@ use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
 const IN_FLIGHT_IDLE: Duration = Duration::from_secs(5);
 
 /// containerd renames a download into place, then records the commit: a blob whose file is
-/// there may be unknown to containerd for a moment. Asked again this often, this many times.
+/// there may be unknown to containerd for a moment. Asked again this often, this many times
+/// (half a second in all).
 const COMMIT_RECORD_POLL: Duration = Duration::from_millis(10);
 const COMMIT_RECORD_TRIES: usize = 50;
 
@@ -208,6 +209,7 @@ async fn in_flight(
         return Ok(response);
     }
     let config = coalesce.config();
+    let deadline = Instant::now() + config.follow_timeout;
     let committed = crate::store::containerd::files::blob_path(&config.content_dir, digest);
     let landing = Ingest::wait_for(
         &config.content_dir,
@@ -217,20 +219,23 @@ async fn in_flight(
         config.follow_timeout,
     )
     .await;
+    // The blob may be committed at any moment (a small one within milliseconds); containerd
+    // records the commit just after the rename, so a blob whose file is there may be unknown
+    // to it for a moment.
+    let settled = || async {
+        for _ in 0..COMMIT_RECORD_TRIES {
+            match complete().await {
+                Ok(response) => return Ok(response),
+                Err(_) if committed.exists() => tokio::time::sleep(COMMIT_RECORD_POLL).await,
+                Err(e) => return Err(e),
+            }
+        }
+        complete().await
+    };
     let ingest = match landing {
         Landing::InFlight(ingest) => ingest,
-        // Committed meanwhile: containerd records the commit just after the rename.
-        Landing::Committed => {
-            for _ in 0..COMMIT_RECORD_TRIES {
-                if let Ok(response) = complete().await {
-                    return Ok(response);
-                }
-                tokio::time::sleep(COMMIT_RECORD_POLL).await;
-            }
-            return complete().await;
-        }
-        // Never started: the follower goes elsewhere.
-        Landing::Nothing => return complete().await,
+        // Committed meanwhile, or never started (then the follower goes elsewhere).
+        Landing::Committed | Landing::Nothing => return settled().await,
     };
     let range = match req.headers.get(header::RANGE) {
         Some(v) => {
@@ -247,13 +252,23 @@ async fn in_flight(
         // flight (the follower then resumes elsewhere).
         return Err(ApiError::BlobUnknown);
     }
-    let stream = match ingest.read_from(start, committed, IN_FLIGHT_IDLE).await {
+    // Headers only for a download that is alive: a follower whose leader has nothing (its
+    // containerd died, its upstream refused) hears so within the follow timeout, reports the
+    // leader and goes upstream itself, instead of stalling mid-body.
+    if !ingest.landing(start, IN_FLIGHT_IDLE, deadline).await {
+        if committed.exists() {
+            return settled().await;
+        }
+        tracing::debug!(%digest, "not following a download that is not progressing");
+        return complete().await;
+    }
+    let stream = match ingest
+        .read_from(start, committed.clone(), IN_FLIGHT_IDLE)
+        .await
+    {
         Ok(stream) => stream,
         // Committed between the look and the open (the data file was renamed).
-        Err(_) => {
-            tokio::time::sleep(COMMIT_RECORD_POLL).await;
-            return complete().await;
-        }
+        Err(_) => return settled().await,
     };
     let is_manifest = matches!(req.path, ApiPath::Manifest { .. });
     if is_manifest {
