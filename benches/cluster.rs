@@ -8,7 +8,8 @@
 //! then the component figures (`components.rs`). JSON and a PNG under `benches/results/`.
 //!
 //! `cargo bench --bench cluster -- [--nodes 4] [--rate 200mbit] [--sizes 10MiB,100MiB,1GiB]
-//! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot]`. Needs root (network
+//! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot] [--storm]`. `--storm` runs
+//! the rollout scenario instead (`cluster/storm.rs`): every node pulling a new image at once. Needs root (network
 //! namespaces), except `--replot`: redraw the chart and reprint the tables from the JSON.
 //! `./scripts/bench.sh` installs what it needs.
 
@@ -19,6 +20,8 @@
 mod components;
 #[path = "cluster/report.rs"]
 mod report;
+#[path = "cluster/storm.rs"]
+mod storm;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
@@ -40,6 +43,8 @@ struct Options {
     out: PathBuf,
     /// Only redraw the chart and print the tables from `<out>/cluster.json` (no root needed).
     replot: bool,
+    /// The storm scenario only (every node pulling a new image at once): `<out>/storm.json`.
+    storm: bool,
 }
 
 fn parse_size(s: &str) -> usize {
@@ -78,6 +83,7 @@ fn options() -> Option<Options> {
             .collect(),
         component_size: parse_size(&value("--component-size", "1GiB")),
         replot: args.iter().any(|a| a == "--replot"),
+        storm: args.iter().any(|a| a == "--storm"),
         out: PathBuf::from(value(
             "--out",
             concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results"),
@@ -199,7 +205,13 @@ fn main() {
     let secret_arg = secret.to_str().unwrap().to_string();
     let mut nodes: Vec<Node> = Vec::new();
     for i in 0..opts.nodes {
-        let seed = (i > 0).then(|| format!("{}:{P2P_PORT}", nodes[0].ip));
+        // Every node bootstraps from all the others (as the Kubernetes bootstrap does): a
+        // restarted node finds them all again at once.
+        let others: Vec<String> = (0..opts.nodes)
+            .filter(|j| *j != i)
+            .map(|j| format!("{}:{P2P_PORT}", net.host_ip(11 + j as u8)))
+            .collect();
+        let seed = (opts.nodes > 1).then(|| others.join(","));
         // Info, as operators run it: debug lines cost time on the data path.
         let mut args = vec![
             "--cluster-secret-file",
@@ -226,6 +238,32 @@ fn main() {
         });
     }
 
+    if opts.storm {
+        let setup = storm::Setup {
+            registry: &registry,
+            upstream,
+            cache: cache_addr,
+            dir,
+        };
+        let layers = *opts.layers.last().unwrap_or(&4);
+        let results = storm::run(&mut nodes, &setup, &opts.sizes, layers);
+        let report = json!({
+            "machine": machine(),
+            "nodes": opts.nodes, "upstream_rate": opts.rate,
+            "storm": results,
+        });
+        std::fs::create_dir_all(&opts.out).unwrap();
+        std::fs::write(
+            opts.out.join("storm.json"),
+            serde_json::to_string_pretty(&report).unwrap(),
+        )
+        .unwrap();
+        println!("{}", storm::table(&report));
+        drop(nodes);
+        drop((cache, near_registry, registry, tmp));
+        drop(net);
+        return;
+    }
     let mut results = Vec::new();
     for (label, total) in &opts.sizes {
         for &layers in &opts.layers {

@@ -6,6 +6,9 @@
 #   ./scripts/bench.sh --sizes 10MiB,100MiB  # any of: --nodes N --rate R --sizes LIST --layers LIST
 #                                            #   --component-size SIZE --out DIR; --replot redraws
 #                                            #   the chart and reprints the tables from the JSON
+#   ./scripts/bench.sh --storm --sizes 100MiB,1GiB --layers 4
+#                                            # the rollout storm instead: every node pulls a new
+#                                            #   image at once (benches/results/storm.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh

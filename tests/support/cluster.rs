@@ -19,6 +19,9 @@ pub struct Node {
     pub containerd: Containerd,
     pub ferry: Proc,
     args: Vec<String>,
+    /// Flags added at the next (re)start, after `args` (later flags are not allowed to repeat
+    /// earlier ones: pass only flags `args` lacks).
+    extra: Vec<String>,
     starts: u32,
 }
 
@@ -54,6 +57,7 @@ impl Node {
                 log: PathBuf::new(),
             },
             args: args.iter().map(|a| a.to_string()).collect(),
+            extra: Vec::new(),
             starts: 0,
         };
         node.start_ferry();
@@ -69,6 +73,12 @@ impl Node {
         });
     }
 
+    /// Restarts this node's Ferry with `extra` flags besides its own (none: as started).
+    pub fn restart_ferry_with(&mut self, extra: &[&str]) {
+        self.extra = extra.iter().map(|a| a.to_string()).collect();
+        self.start_ferry();
+    }
+
     /// Starts this node's Ferry (stopped before) and returns at once.
     pub fn spawn_ferry(&mut self) {
         let mirror: SocketAddr = "127.0.0.1:5480".parse().expect("addr");
@@ -77,6 +87,7 @@ impl Node {
         // Generous for a loaded CI machine; the default (20 ms) is for real clusters.
         let mut extra = vec!["--advertise-addr", ip.as_str(), "--resolve-timeout", "1s"];
         extra.extend(self.args.iter().map(String::as_str));
+        extra.extend(self.extra.iter().map(String::as_str));
         let cmd = Ferry::command(&self.dir, &self.containerd, mirror, metrics, &extra);
         // One log per start: a restarted Ferry must not overwrite what the last one said.
         self.starts += 1;
