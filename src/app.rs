@@ -26,7 +26,7 @@ use crate::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
 use crate::metrics::Metrics;
 use crate::oci::registry::Registries;
 use crate::ops::{self, Readiness};
-use crate::registry::peer_fetch::PeerFetchConfig;
+use crate::registry::peer::PeerFetchConfig;
 use crate::registry::upstream::{PROBE_INTERVAL, PROBE_TIMEOUT};
 use crate::registry::{
     self, MirrorState, PeerApiState, PeerFetcher, ResolveTags, UpstreamConfig, UpstreamWatch,
@@ -334,14 +334,22 @@ pub async fn serve(
         } => Some((router, fetch, (tags, coalesce), sync)),
     };
     let secret = config.cluster_secret.clone();
-    let fetcher = peers.as_ref().map(|(router, fetch, _, _)| {
-        Arc::new(PeerFetcher::new(
+    // A client that cannot be built (it never happens in practice) leaves this node serving
+    // its own content, said loudly, rather than silently with default timeouts.
+    let fetcher = peers.as_ref().and_then(|(router, fetch, _, _)| {
+        match PeerFetcher::new(
             router.clone(),
             *fetch,
             secret.clone(),
             metrics.clone(),
             store.clone(),
-        ))
+        ) {
+            Ok(f) => Some(Arc::new(f)),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot build the peer HTTP client: peer-to-peer fetching is off");
+                None
+            }
+        }
     });
     let (exposed_tx, exposed) = sync::exposure();
     let tags = peers

@@ -12,7 +12,10 @@
 //! - [`store`]: the `ContentStore` trait, containerd and in-memory stores, conformance check.
 //! - [`containerd_config`]: the `hosts.toml` merge/cleanup and containerd config preflight.
 //! - [`routing`]: the `Router` trait (libp2p Kademlia, in-memory), bootstrap, store sync.
-//! - [`registry`]: the axum handlers of the mirror and peer addresses, peer fetch.
+//! - [`registry`]: the mirror and peer addresses (two routers), peer fetch, tag policy and
+//!   the upstream reachability probe.
+//! - [`coalesce`]: storm-proof rollouts: one leader per digest, followers streaming its
+//!   download in progress (rendezvous coordinator, lease table, in-flight reader).
 //! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`kubernetes`]: peer bootstrap from the DaemonSet's pods, the node-ready taint.

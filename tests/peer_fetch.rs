@@ -14,7 +14,7 @@ use ferry::cli::Flags;
 use ferry::config::{Config, Registries, RegistryFilters};
 use ferry::oci::manifest::OCI_MANIFEST;
 use ferry::registry::ResolveTags;
-use ferry::registry::peer_fetch::PeerFetchConfig;
+use ferry::registry::peer::PeerFetchConfig;
 use ferry::routing::memory::MemoryNetwork;
 use ferry::routing::sync::SyncConfig;
 use ferry::routing::{Peer, Router};

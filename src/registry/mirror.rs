@@ -17,7 +17,7 @@ use axum::http::{HeaderMap, Method, Uri, header};
 use axum::response::Response;
 
 use super::local::Local;
-use super::peer_fetch::{PeerFetcher, PeerRequest};
+use super::peer::{PeerFetcher, PeerRequest};
 use super::request::{self, Request};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};

@@ -8,10 +8,9 @@
 mod error;
 mod local;
 pub mod mirror;
+pub mod peer;
 pub mod peer_api;
-pub mod peer_fetch;
 mod request;
-mod resume;
 pub mod tags;
 #[cfg(test)]
 mod tests;
@@ -19,8 +18,8 @@ pub mod upstream;
 
 pub use error::ApiError;
 pub use mirror::MirrorState;
+pub use peer::PeerFetcher;
 pub use peer_api::PeerApiState;
-pub use peer_fetch::PeerFetcher;
 pub use tags::ResolveTags;
 pub use upstream::{UpstreamConfig, UpstreamWatch};
 

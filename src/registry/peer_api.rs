@@ -28,7 +28,7 @@ use tokio::sync::watch;
 
 use super::ApiError;
 use super::local::Local;
-use super::peer_fetch::ClaimAnswer;
+use super::peer::ClaimAnswer;
 use super::request::{self, Request};
 use crate::coalesce::inflight::{Ingest, Landing};
 use crate::coalesce::{CLAIM_PATH, Coalescer, FOLLOW_HEADER};

@@ -1,0 +1,48 @@
+//! Why a peer could not serve: one typed reason per stage, so that the metric label, the log
+//! line and the backoff come from one place instead of strings compared at a distance.
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+
+/// A peer that just failed (unreachable, slow, cut off) is tried last for this long.
+pub const FAILED_PEER_BACKOFF: Duration = Duration::from_secs(30);
+/// A peer that served bytes not matching their digest is not asked at all for this long.
+pub const QUARANTINE: Duration = Duration::from_secs(600);
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerFailure {
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    #[error("no response headers in time")]
+    FirstByte,
+    #[error("answered {0}")]
+    Status(StatusCode),
+    #[error("the response has no usable length or range")]
+    Extent,
+    #[error("body: {0}")]
+    Body(String),
+    #[error("bytes do not match {0}")]
+    Verify(String),
+}
+
+impl PeerFailure {
+    /// The `stage` label of `ferry_peer_failures_total`.
+    pub fn stage(&self) -> &'static str {
+        match self {
+            PeerFailure::Connect(_) => "connect",
+            PeerFailure::FirstByte => "first_byte",
+            PeerFailure::Status(_) | PeerFailure::Extent => "status",
+            PeerFailure::Body(_) => "body",
+            PeerFailure::Verify(_) => "verify",
+        }
+    }
+
+    /// How long the peer is passed over: a liar is quarantined, anything else goes last.
+    pub fn backoff(&self) -> Duration {
+        match self {
+            PeerFailure::Verify(_) => QUARANTINE,
+            _ => FAILED_PEER_BACKOFF,
+        }
+    }
+}

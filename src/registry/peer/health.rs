@@ -1,0 +1,60 @@
+//! Which peers to pass over, and for how long: one owner (this map), shared by the fetcher
+//! and the bodies it starts.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::failure::{FAILED_PEER_BACKOFF, PeerFailure};
+use crate::metrics::{Metrics, StageLabels};
+use crate::routing::Peer;
+
+#[derive(Debug)]
+pub struct PeerHealth {
+    metrics: Arc<Metrics>,
+    /// Until when each peer is passed over, by peer ID.
+    until: Mutex<HashMap<String, Instant>>,
+}
+
+impl PeerHealth {
+    pub fn new(metrics: Arc<Metrics>) -> PeerHealth {
+        PeerHealth {
+            metrics,
+            until: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `peer` failed: counted, logged, and passed over for the failure's backoff.
+    pub fn failed(&self, peer: &Peer, failure: &PeerFailure) {
+        let stage = failure.stage();
+        tracing::warn!(peer = %peer.id, addr = %peer.addr, stage, reason = %failure, "peer fetch failed; trying the next provider");
+        self.metrics
+            .peer_failures
+            .get_or_create(&StageLabels { stage })
+            .inc();
+        let now = Instant::now();
+        let mut until = self.lock();
+        until.retain(|_, t| *t > now);
+        let t = until.entry(peer.id.clone()).or_insert(now);
+        *t = (*t).max(now + failure.backoff());
+    }
+
+    /// Quarantined (it served bytes that did not match) right now: not asked at all.
+    pub fn quarantined(&self, peer: &Peer) -> bool {
+        self.lock()
+            .get(&peer.id)
+            .is_some_and(|until| *until > Instant::now() + FAILED_PEER_BACKOFF)
+    }
+
+    /// `peers` with the ones that failed recently last.
+    pub fn order(&self, mut peers: Vec<Peer>) -> Vec<Peer> {
+        let until = self.lock();
+        let now = Instant::now();
+        peers.sort_by_key(|p| until.get(&p.id).is_some_and(|t| *t > now));
+        peers
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+        self.until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

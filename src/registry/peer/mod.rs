@@ -1,0 +1,590 @@
+//! Fetching from other nodes, in one room: find providers in the DHT (bounded by
+//! `--resolve-timeout`, one lookup per key however many ask at once), then ask their peer
+//! addresses, one after the other, until one answers; or follow a coalescing leader's download.
+//! Blobs stream through and resume on the next provider if a peer fails mid-transfer.
+//!
+//! Dependencies run one way: `mod` (orchestration) → `body` (the verifying, resuming blob
+//! body) → `client` (every request to a peer) and `health` (who to pass over), all reporting
+//! a typed `PeerFailure`.
+
+mod body;
+pub mod client;
+pub mod failure;
+mod health;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Method, StatusCode, header};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::{FutureExt, StreamExt};
+
+use crate::coalesce::ClaimSender;
+use crate::coalesce::leases::Grant;
+use crate::metrics::{Metrics, ResultLabels, SourceLabels};
+use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
+use crate::oci::{self, Digest, Reference};
+use crate::routing::{Peer, Router, digest_key, tag_key};
+use crate::store::ContentStore;
+use crate::trust::ClusterSecret;
+use body::{Fetch, Resume, ResumingBody};
+pub use client::{ClaimAnswer, PeerCall, PeerClient};
+pub use failure::PeerFailure;
+use health::PeerHealth;
+
+/// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
+const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
+/// Providers arriving this soon after the first are kept as failover candidates.
+const MORE_PROVIDERS_GRACE: Duration = Duration::from_millis(2);
+
+/// What the mirror was asked, as it is forwarded to peers.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerRequest<'a> {
+    pub name: &'a str,
+    pub ns: Option<&'a str>,
+    pub head: bool,
+    pub range: Option<&'a str>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct PeerFetchConfig {
+    /// How long a lookup may take before the miss goes upstream.
+    pub resolve_timeout: Duration,
+    /// Bound on the TCP connect to a peer.
+    pub connect_timeout: Duration,
+    /// Bound from sending a request to a peer's response headers.
+    pub first_byte_timeout: Duration,
+    /// Longest silence in a peer's body before moving to the next provider.
+    pub idle_timeout: Duration,
+    /// Blobs up to this size are fetched whole and verified before the first byte is served.
+    pub verify_before_serving: u64,
+}
+
+impl PeerFetchConfig {
+    /// The documented defaults (see `config/ferry.toml`), for tests and embedding.
+    pub fn with_resolve_timeout(resolve_timeout: Duration) -> Self {
+        PeerFetchConfig {
+            resolve_timeout,
+            connect_timeout: Duration::from_millis(500),
+            first_byte_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(5),
+            verify_before_serving: MAX_MANIFEST_BYTES,
+        }
+    }
+}
+
+type SharedLookup = futures::future::Shared<futures::future::BoxFuture<'static, Vec<Peer>>>;
+
+pub struct PeerFetcher {
+    router: Arc<dyn Router>,
+    client: PeerClient,
+    config: PeerFetchConfig,
+    metrics: Arc<Metrics>,
+    /// This node's store, to drop what a lying peer left in containerd's partial downloads.
+    store: Arc<dyn ContentStore>,
+    /// One owner each: recent lookups, lookups under way (shared by concurrent requests for
+    /// the same key), and the peers to pass over.
+    cache: Mutex<HashMap<String, (Instant, Vec<Peer>)>>,
+    lookups: Mutex<HashMap<String, SharedLookup>>,
+    health: Arc<PeerHealth>,
+}
+
+impl std::fmt::Debug for PeerFetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerFetcher")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerFetcher {
+    pub fn new(
+        router: Arc<dyn Router>,
+        config: PeerFetchConfig,
+        secret: Option<ClusterSecret>,
+        metrics: Arc<Metrics>,
+        store: Arc<dyn ContentStore>,
+    ) -> Result<Self, reqwest::Error> {
+        let client = PeerClient::new(
+            config.connect_timeout,
+            config.first_byte_timeout,
+            config.idle_timeout,
+            secret,
+        )?;
+        Ok(PeerFetcher {
+            router,
+            client,
+            config,
+            health: Arc::new(PeerHealth::new(metrics.clone())),
+            metrics,
+            store,
+            cache: Mutex::new(HashMap::new()),
+            lookups: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A blob (or one range of it) from the first provider that answers. Blobs up to
+    /// `verify_before_serving` are fetched whole and checked before the first byte is sent;
+    /// larger ones stream through, hashed on the way.
+    pub async fn blob(&self, req: PeerRequest<'_>, digest: Digest) -> Option<Response> {
+        let providers = self.providers(&digest_key(&digest)).await;
+        self.blob_from(req, digest, providers, None).await
+    }
+
+    /// A blob from `leader`, whose containerd is downloading it now: its Ferry streams the
+    /// download as it lands (after waiting up to `wait` for it to start).
+    pub async fn blob_following(
+        &self,
+        req: PeerRequest<'_>,
+        digest: Digest,
+        leader: &Peer,
+        wait: Duration,
+    ) -> Option<Response> {
+        self.blob_from(req, digest, vec![leader.clone()], Some(wait))
+            .await
+    }
+
+    async fn blob_from(
+        &self,
+        req: PeerRequest<'_>,
+        digest: Digest,
+        providers: Vec<Peer>,
+        follow: Option<Duration>,
+    ) -> Option<Response> {
+        let path = format!("/v2/{}/blobs/{digest}", req.name);
+        let method = if req.head { Method::HEAD } else { Method::GET };
+        let mut candidates = providers.into_iter();
+        while let Some(peer) = candidates.next() {
+            // The list may predate a verification failure seen by another request.
+            if self.health.quarantined(&peer) {
+                continue;
+            }
+            let call = PeerCall {
+                method: &method,
+                path: &path,
+                ns: req.ns,
+                range: req.range,
+                follow,
+            };
+            let response = match self.client.send(&peer, call, &self.metrics).await {
+                Ok(r) => r,
+                Err(failure) => {
+                    self.health.failed(&peer, &failure);
+                    continue;
+                }
+            };
+            let status = response.status();
+            if status == StatusCode::RANGE_NOT_SATISFIABLE {
+                // The peer has the blob; the range is wrong for everyone.
+                return Some(forward_headers(&response, Body::empty()));
+            }
+            if status != StatusCode::OK && status != StatusCode::PARTIAL_CONTENT {
+                if status != StatusCode::NOT_FOUND {
+                    self.health.failed(&peer, &PeerFailure::Status(status));
+                }
+                continue;
+            }
+            if req.head {
+                return Some(forward_headers(&response, Body::empty()));
+            }
+            let Some(fetch) = Fetch::from_response(&response, digest.clone()) else {
+                self.health.failed(&peer, &PeerFailure::Extent);
+                continue;
+            };
+            if fetch.total <= self.config.verify_before_serving {
+                match self
+                    .verified_whole(&peer, response, &fetch, &path, req.ns, follow)
+                    .await
+                {
+                    Ok(whole) => {
+                        let start = fetch.start as usize;
+                        let part = whole.slice(start..start + fetch.len as usize);
+                        self.count_peer_bytes("blob", part.len());
+                        return Some(fetch.response(Body::from(part)));
+                    }
+                    Err(failure) => {
+                        self.health.failed(&peer, &failure);
+                        continue;
+                    }
+                }
+            }
+            let first = response.bytes_stream().boxed();
+            let remaining: Vec<Peer> = candidates.collect();
+            let resume = Resume {
+                client: self.client.clone(),
+                health: self.health.clone(),
+                metrics: self.metrics.clone(),
+                store: self.store.clone(),
+                path: path.clone(),
+                ns: req.ns.map(str::to_string),
+            };
+            let body = ResumingBody::new(fetch.clone(), peer.clone(), first, remaining, resume);
+            let metrics = self.metrics.clone();
+            let counted = body.into_stream().inspect(move |chunk| {
+                if let Ok(c) = chunk {
+                    metrics
+                        .bytes_served
+                        .get_or_create(&SourceLabels {
+                            kind: "blob",
+                            source: "peer",
+                        })
+                        .inc_by(c.len() as u64);
+                }
+            });
+            return Some(fetch.response(Body::from_stream(counted)));
+        }
+        None
+    }
+
+    /// The whole blob from `peer`, checked against its digest. `response` is used when it
+    /// already carries the whole blob; for a range, the whole blob is asked for again.
+    async fn verified_whole(
+        &self,
+        peer: &Peer,
+        response: reqwest::Response,
+        fetch: &Fetch,
+        path: &str,
+        ns: Option<&str>,
+        follow: Option<Duration>,
+    ) -> Result<Bytes, PeerFailure> {
+        let response = if fetch.partial {
+            drop(response);
+            let call = PeerCall {
+                method: &Method::GET,
+                path,
+                ns,
+                range: None,
+                follow,
+            };
+            let r = self.client.send(peer, call, &self.metrics).await?;
+            if r.status() != StatusCode::OK {
+                return Err(PeerFailure::Status(r.status()));
+            }
+            r
+        } else {
+            response
+        };
+        let bytes = client::read_capped(response, fetch.total, self.config.idle_timeout).await?;
+        if bytes.len() as u64 != fetch.total {
+            return Err(PeerFailure::Body("ended early".into()));
+        }
+        if !fetch.digest.matches(&bytes) {
+            tracing::error!(peer = %peer.id, addr = %peer.addr, digest = %fetch.digest, "peer served bytes that do not match their digest; quarantined");
+            return Err(PeerFailure::Verify(fetch.digest.to_string()));
+        }
+        Ok(bytes)
+    }
+
+    fn count_peer_bytes(&self, kind: &'static str, n: usize) {
+        self.metrics
+            .bytes_served
+            .get_or_create(&SourceLabels {
+                kind,
+                source: "peer",
+            })
+            .inc_by(n as u64);
+    }
+
+    /// A manifest from the first provider whose bytes match the digest (asked for, or the
+    /// one the peer names for a tag). Manifests are small: verified whole before serving.
+    pub async fn manifest(&self, req: PeerRequest<'_>, reference: Reference) -> Option<Response> {
+        let key = match &reference {
+            Reference::Digest(d) => digest_key(d),
+            // Whether a tag may be resolved here at all is the mirror's decision (tags.rs).
+            Reference::Tag(tag) => tag_key(req.ns?, req.name, tag),
+        };
+        let providers = self.providers(&key).await;
+        self.manifest_from(req, reference, providers, None).await
+    }
+
+    /// A manifest by digest from `leader`, whose containerd is downloading it now.
+    pub async fn manifest_following(
+        &self,
+        req: PeerRequest<'_>,
+        digest: Digest,
+        leader: &Peer,
+        wait: Duration,
+    ) -> Option<Response> {
+        let reference = Reference::Digest(digest);
+        self.manifest_from(req, reference, vec![leader.clone()], Some(wait))
+            .await
+    }
+
+    async fn manifest_from(
+        &self,
+        req: PeerRequest<'_>,
+        reference: Reference,
+        providers: Vec<Peer>,
+        follow: Option<Duration>,
+    ) -> Option<Response> {
+        let path = format!("/v2/{}/manifests/{reference}", req.name);
+        for peer in providers {
+            match self
+                .fetch_manifest(&peer, &path, req.ns, &reference, follow)
+                .await
+            {
+                Ok((media_type, digest, bytes)) => {
+                    let len = bytes.len();
+                    let body = if req.head {
+                        Body::empty()
+                    } else {
+                        self.count_peer_bytes("manifest", len);
+                        Body::from(bytes)
+                    };
+                    return Response::builder()
+                        .status(StatusCode::OK)
+                        .header(header::CONTENT_TYPE, media_type)
+                        .header(header::CONTENT_LENGTH, len)
+                        .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string())
+                        .body(body)
+                        .ok();
+                }
+                Err(failure) => self.health.failed(&peer, &failure),
+            }
+        }
+        None
+    }
+
+    async fn fetch_manifest(
+        &self,
+        peer: &Peer,
+        path: &str,
+        ns: Option<&str>,
+        reference: &Reference,
+        follow: Option<Duration>,
+    ) -> Result<(String, Digest, Bytes), PeerFailure> {
+        let call = PeerCall {
+            method: &Method::GET,
+            path,
+            ns,
+            range: None,
+            follow,
+        };
+        let response = self.client.send(peer, call, &self.metrics).await?;
+        if response.status() != StatusCode::OK {
+            return Err(PeerFailure::Status(response.status()));
+        }
+        let named = response
+            .headers()
+            .get(oci::DOCKER_CONTENT_DIGEST)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<Digest>().ok());
+        let declared = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let bytes =
+            client::read_capped(response, MAX_MANIFEST_BYTES, self.config.idle_timeout).await?;
+        let digest = match reference {
+            Reference::Digest(d) => d.clone(),
+            Reference::Tag(_) => {
+                named.ok_or(PeerFailure::Verify("no Docker-Content-Digest".into()))?
+            }
+        };
+        if !digest.matches(&bytes) {
+            return Err(PeerFailure::Verify(digest.to_string()));
+        }
+        let media_type = declared
+            .filter(|t| is_manifest_media_type(t))
+            .or_else(|| sniff_media_type(&bytes).map(str::to_string))
+            .ok_or(PeerFailure::Verify("not a manifest".into()))?;
+        Ok((media_type, digest, bytes))
+    }
+
+    /// Providers of `key`: cached if recent, else from the router, waiting at most
+    /// `resolve_timeout` for the first one. Concurrent requests for the same key (several
+    /// clients of this node's containerd, a Range re-request) share one lookup. Peers that
+    /// failed recently go last.
+    async fn providers(&self, key: &str) -> Vec<Peer> {
+        if let Some(peers) = self.cached(key) {
+            return peers;
+        }
+        let lookup = {
+            let mut lookups = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+            lookups
+                .entry(key.to_string())
+                .or_insert_with(|| {
+                    lookup(
+                        self.router.clone(),
+                        self.metrics.clone(),
+                        key.to_string(),
+                        self.config.resolve_timeout,
+                    )
+                    .boxed()
+                    .shared()
+                })
+                .clone()
+        };
+        let found = lookup.clone().await;
+        {
+            let mut lookups = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+            if lookups.get(key).is_some_and(|l| l.ptr_eq(&lookup)) {
+                lookups.remove(key);
+            }
+        }
+        if !found.is_empty() {
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.retain(|_, (at, _)| at.elapsed() < LOOKUP_CACHE_TTL);
+            cache.insert(key.to_string(), (Instant::now(), found.clone()));
+        }
+        self.health.order(found)
+    }
+
+    fn cached(&self, key: &str) -> Option<Vec<Peer>> {
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let (at, peers) = cache.get(key)?;
+        (at.elapsed() < LOOKUP_CACHE_TTL).then(|| self.health.order(peers.clone()))
+    }
+}
+
+/// One provider lookup, shareable by concurrent requests for the same key.
+async fn lookup(
+    router: Arc<dyn Router>,
+    metrics: Arc<Metrics>,
+    key: String,
+    resolve_timeout: Duration,
+) -> Vec<Peer> {
+    let started = Instant::now();
+    let mut stream = router.lookup(&key).await;
+    let mut found = Vec::new();
+    // The latency that matters is the time to the first provider: the grace wait for
+    // failover candidates below is not part of it.
+    let mut took = None;
+    if let Ok(Some(first)) = tokio::time::timeout(resolve_timeout, stream.recv()).await {
+        took = Some(started.elapsed());
+        found.push(first);
+        // Others that arrive right behind the first are failover candidates.
+        while let Ok(Some(more)) = tokio::time::timeout(MORE_PROVIDERS_GRACE, stream.recv()).await {
+            if !found.contains(&more) {
+                found.push(more);
+            }
+        }
+    }
+    metrics
+        .peer_lookup_duration
+        .observe(took.unwrap_or_else(|| started.elapsed()).as_secs_f64());
+    let result = if found.is_empty() { "none" } else { "found" };
+    metrics
+        .peer_lookups
+        .get_or_create(&ResultLabels { result })
+        .inc();
+    found
+}
+
+#[async_trait::async_trait]
+impl ClaimSender for PeerFetcher {
+    async fn claim(
+        &self,
+        coordinator: &Peer,
+        digest: &Digest,
+        claimant: &Peer,
+        failed: Option<&str>,
+    ) -> Option<Grant> {
+        self.client
+            .claim(coordinator, digest, claimant, failed)
+            .await
+    }
+}
+
+/// The peer's status and the headers that describe the content, with our body.
+fn forward_headers(response: &reqwest::Response, body: Body) -> Response {
+    let mut out = Response::builder().status(response.status());
+    for name in [
+        header::CONTENT_TYPE,
+        header::CONTENT_LENGTH,
+        header::CONTENT_RANGE,
+        header::ACCEPT_RANGES,
+        header::ETAG,
+    ] {
+        if let Some(v) = response.headers().get(&name) {
+            out = out.header(name, v.clone());
+        }
+    }
+    if let Some(v) = response.headers().get(oci::DOCKER_CONTENT_DIGEST) {
+        out = out.header(oci::DOCKER_CONTENT_DIGEST, v.clone());
+    }
+    out.body(body).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::{PeerStream, RouterError};
+    use crate::store::memory::MemoryStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A router whose lookups take a while and are counted.
+    #[derive(Default)]
+    struct SlowRouter {
+        lookups: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl Router for SlowRouter {
+        fn ready(&self) -> bool {
+            true
+        }
+        fn local(&self) -> Peer {
+            Peer {
+                id: "me".into(),
+                addr: "127.0.0.1:1".parse().unwrap_or_else(|_| unreachable!()),
+            }
+        }
+        fn members(&self) -> Arc<Vec<Peer>> {
+            Arc::new(Vec::new())
+        }
+        async fn lookup(&self, _key: &str) -> PeerStream {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                drop(tx);
+            });
+            rx
+        }
+        async fn advertise(&self, _keys: Vec<String>) -> Result<(), RouterError> {
+            Ok(())
+        }
+        async fn withdraw(&self, _keys: Vec<String>) -> Result<(), RouterError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_misses_of_one_digest_share_one_lookup() {
+        let router = Arc::new(SlowRouter::default());
+        let fetcher = PeerFetcher::new(
+            router.clone(),
+            PeerFetchConfig::with_resolve_timeout(Duration::from_secs(1)),
+            None,
+            Arc::new(Metrics::new()),
+            Arc::new(MemoryStore::new()),
+        )
+        .expect("client");
+        let digest = Digest::sha256_of(b"a layer nobody has");
+        let req = PeerRequest {
+            name: "team/app",
+            ns: Some("registry.test"),
+            head: false,
+            range: None,
+        };
+        let (a, b, c) = tokio::join!(
+            fetcher.blob(req, digest.clone()),
+            fetcher.blob(req, digest.clone()),
+            fetcher.blob(req, Digest::sha256_of(b"another layer")),
+        );
+        assert!(a.is_none() && b.is_none() && c.is_none());
+        assert_eq!(
+            router.lookups.load(Ordering::SeqCst),
+            2,
+            "one lookup per digest, however many ask at once"
+        );
+        // Finished lookups are not kept: a later miss asks again.
+        fetcher.blob(req, digest).await;
+        assert_eq!(router.lookups.load(Ordering::SeqCst), 3);
+    }
+}
