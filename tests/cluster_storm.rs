@@ -31,7 +31,18 @@ struct Cluster {
 
 fn cluster(net: &mut Net, dir: &Path, rate: &str) -> Cluster {
     let (registry, registry_addr) = registry_host(net, dir, "up", 1);
-    let status = in_netns(Some(&net.namespaces[0]), "tc")
+    shape(&net.namespaces[0], rate);
+    let nodes = nodes(net, dir, registry_addr);
+    Cluster {
+        nodes,
+        registry,
+        registry_addr,
+    }
+}
+
+/// The upstream's link to the cluster: shaped, as a registry across the internet is.
+fn shape(ns: &str, rate: &str) {
+    let status = in_netns(Some(ns), "tc")
         .args([
             "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "256kb",
             "latency", "100ms",
@@ -39,6 +50,10 @@ fn cluster(net: &mut Net, dir: &Path, rate: &str) -> Cluster {
         .status()
         .unwrap();
     assert!(status.success(), "tc tbf");
+}
+
+/// The nodes, pulling from `registry_addr`, all connected to all.
+fn nodes(net: &mut Net, dir: &Path, registry_addr: SocketAddr) -> Vec<Node> {
     // Every node bootstraps from all the others, as with the Kubernetes bootstrap (every
     // Ferry pod): a restarted node finds them all again at once.
     let mut nodes = Vec::new();
@@ -63,11 +78,7 @@ fn cluster(net: &mut Net, dir: &Path, rate: &str) -> Cluster {
             .iter()
             .all(|n| n.metric("ferry_peers_connected") >= u64::from(NODES - 1))
     });
-    Cluster {
-        nodes,
-        registry,
-        registry_addr,
-    }
+    nodes
 }
 
 /// Every node pulls `reference` at the same moment; `Err(output)` for a pull that failed.
@@ -379,6 +390,70 @@ fn faults_during_a_storm_never_fail_a_pull_or_commit_a_wrong_byte() {
     all_content_right(&[&c.nodes[1], &c.nodes[3]], &b);
 
     drop(c);
+    drop(tmp);
+    drop(net);
+}
+
+#[test]
+fn an_upstream_failing_the_leaders_request_costs_no_pull() {
+    let _one = serial();
+    let mut net = Net::new();
+    let (tmp, dir) = test_dir();
+    let dir = dir.as_path();
+    // The registry on port 5001, behind a front on 5000 that fails the first GET of every
+    // blob (the leader's, in a storm) with a 503; the nodes know only the front.
+    let up = net.add_host("up", 1);
+    let ip = net.host_ip(1);
+    let registry = Registry::start_at(&dir.join("up"), Some(&up), SocketAddr::new(ip.into(), 5001));
+    let front_addr = SocketAddr::new(ip.into(), 5000);
+    let front_log = dir.join("front.log");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/flaky_front.py");
+    let mut cmd = in_netns(Some(&up), "python3");
+    cmd.arg(script)
+        .arg(front_addr.to_string())
+        .arg(registry.addr.to_string())
+        .arg(&front_log);
+    let front = Proc::spawn(cmd, dir.join("front.out"));
+    wait_for("the front to listen", || {
+        std::net::TcpStream::connect(front_addr).is_ok()
+    });
+    shape(&up, UPSTREAM_RATE);
+    let nodes = nodes(&mut net, dir, front_addr);
+    let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
+    image.push(registry.addr, "team/app");
+    let reference = format!("{front_addr}/team/app:v1");
+
+    for (node, result) in nodes
+        .iter()
+        .zip(storm(&nodes, std::slice::from_ref(&reference)))
+    {
+        if let Err(out) = result {
+            panic!(
+                "{}'s pull failed with the upstream failing the leader:\n{out}",
+                node.name
+            );
+        }
+    }
+    all_content_right(&nodes.iter().collect::<Vec<_>>(), &image);
+    // The fault happened, and still each blob crossed the upstream link once: the leader's
+    // containerd retried on its next host (the server entry) while its followers waited.
+    let log = std::fs::read_to_string(&front_log).unwrap();
+    for digest in std::iter::once(&image.config).chain(&image.layers) {
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(digest.as_str()))
+            .collect();
+        let failed = lines.iter().filter(|l| l.ends_with(" 503")).count();
+        let served = lines
+            .iter()
+            .filter(|l| l.contains(" GET ") && l.ends_with(" 200"))
+            .count();
+        assert_eq!((failed, served), (1, 1), "{digest}: {lines:?}");
+    }
+
+    drop(nodes);
+    drop(front);
+    drop(registry);
     drop(tmp);
     drop(net);
 }
