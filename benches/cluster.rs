@@ -165,6 +165,13 @@ fn main() {
     let Some(opts) = options() else {
         return;
     };
+    if opts.replot && opts.storm {
+        let text = std::fs::read_to_string(opts.out.join("storm.json")).unwrap();
+        let report: Value = serde_json::from_str(&text).unwrap();
+        storm::chart(&report, &opts.out.join("storm.png"));
+        println!("{}", storm::table(&report));
+        return;
+    }
     if opts.replot {
         let text = std::fs::read_to_string(opts.out.join("cluster.json")).unwrap();
         let report: Value = serde_json::from_str(&text).unwrap();
@@ -258,6 +265,7 @@ fn main() {
             serde_json::to_string_pretty(&report).unwrap(),
         )
         .unwrap();
+        storm::chart(&report, &opts.out.join("storm.png"));
         println!("{}", storm::table(&report));
         drop(nodes);
         drop((cache, near_registry, registry, tmp));

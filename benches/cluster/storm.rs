@@ -176,3 +176,122 @@ pub fn table(report: &Value) -> String {
     }
     out
 }
+
+/// Two panels of grouped bars per image: the slowest node against one node alone (target
+/// 1.3x), and the upstream bytes against the image (target 1.1x). Lower is better in both.
+pub fn chart(report: &Value, path: &Path) {
+    use plotters::prelude::*;
+    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+        .expect("DejaVu Sans (fonts-dejavu-core)");
+    let _ = plotters::style::register_font(
+        "sans-serif",
+        FontStyle::Normal,
+        Box::leak(font.into_boxed_slice()),
+    );
+    let results = report["storm"]["results"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let columns = [
+        ("baseline (no mirror)", "baseline", RGBColor(150, 150, 150)),
+        (
+            "Ferry, coalescing off",
+            "ferry_uncoalesced",
+            RGBColor(30, 120, 200),
+        ),
+        ("Ferry", "ferry", RGBColor(20, 170, 120)),
+        (
+            "pull-through cache",
+            "pull_through_cache",
+            RGBColor(230, 140, 30),
+        ),
+    ];
+    let slowest = |r: &Value, key: &str| {
+        r[key]["slowest_s"].as_f64().unwrap_or(0.0) / r["alone_s"].as_f64().unwrap_or(1.0)
+    };
+    let upstream = |r: &Value, key: &str| {
+        r[key]["upstream_bytes"].as_f64().unwrap_or(0.0) / r["total_bytes"].as_f64().unwrap_or(1.0)
+    };
+    let root = BitMapBackend::new(path, (1400, 600)).into_drawing_area();
+    root.fill(&WHITE).unwrap();
+    let panels = root.split_evenly((1, 2));
+    let metrics: [(&str, &str, f64, &dyn Fn(&Value, &str) -> f64); 2] = [
+        (
+            "Slowest node, in pulls of one node alone",
+            "target: 1.3x",
+            SLOWEST_TARGET,
+            &slowest,
+        ),
+        (
+            "Bytes from upstream, in images",
+            "target: 1.1x",
+            UPSTREAM_TARGET,
+            &upstream,
+        ),
+    ];
+    let labels: Vec<String> = results
+        .iter()
+        .map(|r| r["image"].as_str().unwrap_or("").to_string())
+        .collect();
+    for (panel, (title, target_label, target, value)) in panels.iter().zip(metrics) {
+        let max = results
+            .iter()
+            .flat_map(|r| columns.iter().map(move |(_, k, _)| value(r, k)))
+            .fold(target, f64::max);
+        let n = results.len().max(1) as f64;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(title, ("sans-serif", 22))
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0f64..n, 0f64..max * 1.15)
+            .unwrap();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(results.len().max(1) * 2 + 1)
+            .x_label_formatter(&|x| {
+                if (x.fract() - 0.5).abs() < 0.01 {
+                    labels.get(x.floor() as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc("lower is better")
+            .draw()
+            .unwrap();
+        let width = 0.8 / columns.len() as f64;
+        for (s, (name, key, color)) in columns.iter().enumerate() {
+            let bars = results.iter().enumerate().map(|(i, r)| {
+                let x0 = i as f64 + 0.1 + s as f64 * width;
+                Rectangle::new([(x0, 0.0), (x0 + width, value(r, key))], color.filled())
+            });
+            chart
+                .draw_series(bars)
+                .unwrap()
+                .label(*name)
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
+                });
+        }
+        let red = RGBColor(200, 30, 30);
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(0.0, target), (n, target)],
+                8,
+                6,
+                red.stroke_width(2),
+            ))
+            .unwrap()
+            .label(target_label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 12, y)], red.stroke_width(2)));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .unwrap();
+    }
+    root.present().unwrap();
+}
