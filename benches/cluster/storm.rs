@@ -177,6 +177,9 @@ pub fn table(report: &Value) -> String {
     out
 }
 
+/// A chart panel: title, target label, target, and the ratio it shows for a result's column.
+type Panel<'a> = (&'a str, &'a str, f64, &'a dyn Fn(&Value, &str) -> f64);
+
 /// Two panels of grouped bars per image: the slowest node against one node alone (target
 /// 1.3x), and the upstream bytes against the image (target 1.1x). Lower is better in both.
 pub fn chart(report: &Value, path: &Path) {
@@ -215,7 +218,7 @@ pub fn chart(report: &Value, path: &Path) {
     let root = BitMapBackend::new(path, (1400, 600)).into_drawing_area();
     root.fill(&WHITE).unwrap();
     let panels = root.split_evenly((1, 2));
-    let metrics: [(&str, &str, f64, &dyn Fn(&Value, &str) -> f64); 2] = [
+    let metrics: [Panel; 2] = [
         (
             "Slowest node, in pulls of one node alone",
             "target: 1.3x",
