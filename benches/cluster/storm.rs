@@ -247,7 +247,7 @@ pub fn chart(report: &Value, path: &Path) {
             .margin(20)
             .x_label_area_size(50)
             .y_label_area_size(50)
-            .build_cartesian_2d(0f64..n, 0f64..max * 1.15)
+            .build_cartesian_2d(0f64..n, 0f64..max * 1.5)
             .unwrap();
         chart
             .configure_mesh()
