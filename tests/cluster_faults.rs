@@ -47,17 +47,6 @@ fn tamper(node: &Node, digest: &str) {
     std::fs::write(&path, bytes).unwrap();
 }
 
-/// The blob as containerd committed it on `node`; it must match its digest.
-fn committed_matches(node: &Node, digest: &str) -> bool {
-    let out = std::process::Command::new("ctr")
-        .arg("--address")
-        .arg(&node.containerd.socket)
-        .args(["-n", "k8s.io", "content", "get", digest])
-        .output()
-        .unwrap();
-    out.status.success() && sha256_hex(&out.stdout) == digest
-}
-
 fn upstream_blob_gets_from(registry: &Registry, since: usize, node: &Node) -> Vec<String> {
     registry.requests()[since..]
         .iter()
@@ -217,7 +206,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     assert!(n2.metric("ferry_peer_failures_total{stage=\"verify\"}") >= 1);
     for digest in image.digests() {
         assert!(
-            committed_matches(&n2, &digest),
+            n2.committed_matches(&digest),
             "node 2 committed {digest} correctly"
         );
     }
@@ -231,7 +220,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     assert_eq!(n3.image_digest(&reference), image.manifest);
     for digest in image.digests() {
         assert!(
-            committed_matches(&n3, &digest),
+            n3.committed_matches(&digest),
             "node 3 committed {digest} correctly"
         );
     }
@@ -248,7 +237,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     );
     for digest in image.digests() {
         assert!(
-            committed_matches(&n3, &digest),
+            n3.committed_matches(&digest),
             "after a stall, {digest} correct"
         );
     }
@@ -325,7 +314,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     assert!(eventually, "node 2's pull failed twice after its peer died");
     for digest in image.digests() {
         assert!(
-            committed_matches(&n2, &digest),
+            n2.committed_matches(&digest),
             "after a dead peer, {digest} correct"
         );
     }
@@ -367,7 +356,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
         LAYERS + 1
     );
     for digest in image.digests() {
-        assert!(committed_matches(&n2, &digest));
+        assert!(n2.committed_matches(&digest));
     }
     n2.start_ferry();
 

@@ -112,17 +112,6 @@ fn upstream_gets(registry: &Registry, since: usize) -> HashMap<String, usize> {
     gets
 }
 
-/// The blob as containerd committed it on `node` matches its digest.
-fn committed_matches(node: &Node, digest: &str) -> bool {
-    let out = std::process::Command::new("ctr")
-        .arg("--address")
-        .arg(&node.containerd.socket)
-        .args(["-n", "k8s.io", "content", "get", digest])
-        .output()
-        .unwrap();
-    out.status.success() && sha256_hex(&out.stdout) == digest
-}
-
 /// The test's directory; kept after the test (logs, configs) with `FERRY_TEST_KEEP=1`.
 fn test_dir() -> (Option<tempfile::TempDir>, std::path::PathBuf) {
     let tmp = tempfile::Builder::new()
@@ -175,7 +164,7 @@ fn four_nodes_pulling_one_new_image_at_once_fetch_each_blob_upstream_once() {
             node.name
         );
         for digest in image.digests() {
-            assert!(committed_matches(node, &digest), "{}: {digest}", node.name);
+            assert!(node.committed_matches(&digest), "{}: {digest}", node.name);
         }
     }
     let gets = upstream_gets(&c.registry, since);
@@ -218,7 +207,7 @@ fn all_content_right(nodes: &[&Node], image: &Image) {
     for node in nodes {
         for digest in image.digests() {
             assert!(
-                committed_matches(node, &digest),
+                node.committed_matches(&digest),
                 "{}: {digest} missing or wrong",
                 node.name
             );

@@ -163,18 +163,23 @@ pub fn components(report: &Value) -> String {
     out
 }
 
+/// The charts' font (plotters draws no text without one registered).
+pub fn register_font() {
+    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+        .expect("DejaVu Sans (fonts-dejavu-core)");
+    let _ = plotters::style::register_font(
+        "sans-serif",
+        plotters::style::FontStyle::Normal,
+        Box::leak(font.into_boxed_slice()),
+    );
+}
+
 /// Speed-up over the baseline per image and scenario, as grouped bars, with the 5x target:
 /// ratios, because absolute times of 10 MiB and 1 GiB pulls do not share a scale.
 pub fn chart(report: &Value, path: &Path) {
     const TARGET: f64 = 5.0;
     use plotters::prelude::*;
-    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
-        .expect("DejaVu Sans (fonts-dejavu-core)");
-    let _ = plotters::style::register_font(
-        "sans-serif",
-        FontStyle::Normal,
-        Box::leak(font.into_boxed_slice()),
-    );
+    register_font();
     let results = report["results"].as_array().cloned().unwrap_or_default();
     let series = [
         (

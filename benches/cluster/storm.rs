@@ -184,13 +184,7 @@ type Panel<'a> = (&'a str, &'a str, f64, &'a dyn Fn(&Value, &str) -> f64);
 /// 1.3x), and the upstream bytes against the image (target 1.1x). Lower is better in both.
 pub fn chart(report: &Value, path: &Path) {
     use plotters::prelude::*;
-    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
-        .expect("DejaVu Sans (fonts-dejavu-core)");
-    let _ = plotters::style::register_font(
-        "sans-serif",
-        FontStyle::Normal,
-        Box::leak(font.into_boxed_slice()),
-    );
+    super::report::register_font();
     let results = report["storm"]["results"]
         .as_array()
         .cloned()

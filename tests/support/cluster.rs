@@ -158,6 +158,17 @@ impl Node {
         }
     }
 
+    /// The blob as containerd committed it on this node matches its digest.
+    pub fn committed_matches(&self, digest: &str) -> bool {
+        let out = std::process::Command::new("ctr")
+            .arg("--address")
+            .arg(&self.containerd.socket)
+            .args(["-n", "k8s.io", "content", "get", digest])
+            .output()
+            .expect("run ctr");
+        out.status.success() && super::sha256_hex(&out.stdout) == digest
+    }
+
     pub fn peer_url(&self, path: &str) -> String {
         format!("http://{}:{PEER_PORT}{path}", self.ip)
     }
