@@ -190,6 +190,51 @@ fn four_nodes_pulling_one_new_image_at_once_fetch_each_blob_upstream_once() {
         "some bytes came from a download in progress"
     );
 
+    // One node, two containerd namespaces (kubelet's and nerdctl's, say) pulling another new
+    // image at once: one transfer, so the upstream still sends each blob once.
+    let (image, reference) = new_image(&c, dir, "v2");
+    let node = &c.nodes[0];
+    let since = c.registry.requests().len();
+    let barrier = std::sync::Barrier::new(2);
+    let results: Vec<Result<String, String>> = std::thread::scope(|s| {
+        let pulls: Vec<_> = ["k8s.io", "default"]
+            .into_iter()
+            .map(|ns| {
+                let (barrier, reference) = (&barrier, &reference);
+                s.spawn(move || {
+                    barrier.wait();
+                    node.try_pull_in(ns, reference)
+                })
+            })
+            .collect();
+        pulls.into_iter().map(|p| p.join().unwrap()).collect()
+    });
+    for (ns, result) in ["k8s.io", "default"].iter().zip(&results) {
+        if let Err(out) = result {
+            panic!("{}'s pull in {ns} failed:\n{out}", node.name);
+        }
+        for digest in image.digests() {
+            assert!(node.committed_matches_in(ns, &digest), "{ns}: {digest}");
+        }
+    }
+    let gets = upstream_gets(&c.registry, since);
+    for digest in image.digests() {
+        let fetched: usize = gets
+            .iter()
+            .filter(|(uri, _)| uri.ends_with(&digest))
+            .map(|(_, n)| n)
+            .sum();
+        assert_eq!(
+            fetched, 1,
+            "two namespaces on one node: {digest} fetched {fetched} times: {gets:?}"
+        );
+    }
+    let shared = node.metric("ferry_coalesce_total{role=\"local\",result=\"shared\"}");
+    assert!(
+        shared >= 1,
+        "the second namespace read the first one's download: {shared}"
+    );
+
     drop(c);
     drop(tmp);
     drop(net);

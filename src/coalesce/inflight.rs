@@ -48,26 +48,75 @@ impl Ingest {
     /// The ingest of `digest` in `namespace`, if containerd is downloading it now. Ingests
     /// without a known size are skipped (a reader would not know where the blob ends).
     pub fn find(content_dir: &Path, namespace: &str, digest: &Digest) -> Option<Ingest> {
-        let entries = std::fs::read_dir(content_dir.join("ingest")).ok()?;
         let prefix = format!("{namespace}/");
+        Self::scan(content_dir, digest)
+            .find(|(r, _)| r.starts_with(&prefix))
+            .map(|(_, ingest)| ingest)
+    }
+
+    /// Every download of `digest` in progress, in any containerd namespace, whose file was
+    /// written within `fresh` (older ones are leftovers of downloads that failed).
+    pub fn find_all(content_dir: &Path, digest: &Digest, fresh: Duration) -> Vec<Ingest> {
+        Self::scan(content_dir, digest)
+            .map(|(_, ingest)| ingest)
+            .filter(|ingest| {
+                std::fs::metadata(ingest.dir.join("data"))
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|m| m.elapsed().ok())
+                    .is_some_and(|age| age < fresh)
+            })
+            .collect()
+    }
+
+    /// The ingests of `digest` with a known size, with their refs.
+    fn scan(content_dir: &Path, digest: &Digest) -> impl Iterator<Item = (String, Ingest)> {
         let suffix = format!("-{digest}");
-        for entry in entries.flatten() {
-            let dir = entry.path();
-            let Ok(r) = std::fs::read_to_string(dir.join("ref")) else {
-                continue;
-            };
-            let r = r.trim();
-            if !r.starts_with(&prefix) || !r.ends_with(&suffix) {
-                continue;
-            }
-            let total = std::fs::read_to_string(dir.join("total"))
+        std::fs::read_dir(content_dir.join("ingest"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(move |entry| {
+                let dir = entry.path();
+                let r = std::fs::read_to_string(dir.join("ref")).ok()?;
+                let r = r.trim().to_string();
+                if !r.ends_with(&suffix) {
+                    return None;
+                }
+                let total = std::fs::read_to_string(dir.join("total"))
+                    .ok()
+                    .and_then(|t| t.trim().parse::<u64>().ok())
+                    .filter(|t| *t > 0)?;
+                Some((r, Ingest { dir, total }))
+            })
+    }
+
+    /// The first of `candidates` whose file grows within `wait`: one that something is
+    /// writing now. A download whose writer is waiting for the very request being answered
+    /// does not grow, so it is never picked (that would be a request waiting for itself).
+    /// A small blob may land and be committed (to `committed`) between two looks: then
+    /// `Committed`.
+    pub async fn growing(candidates: Vec<Ingest>, committed: &Path, wait: Duration) -> Landing {
+        let len = |ingest: &Ingest| {
+            std::fs::metadata(ingest.dir.join("data"))
+                .map(|m| m.len())
                 .ok()
-                .and_then(|t| t.trim().parse::<u64>().ok());
-            if let Some(total) = total.filter(|t| *t > 0) {
-                return Some(Ingest { dir, total });
+        };
+        let start: Vec<Option<u64>> = candidates.iter().map(len).collect();
+        let deadline = Instant::now() + wait;
+        while Instant::now() < deadline {
+            tokio::time::sleep(POLL).await;
+            for (ingest, before) in candidates.iter().zip(&start) {
+                match (before, len(ingest)) {
+                    (Some(before), Some(now)) if now > *before => {
+                        return Landing::InFlight(ingest.clone());
+                    }
+                    (_, None) if committed.exists() => return Landing::Committed,
+                    _ => {}
+                }
             }
         }
-        None
+        Landing::Nothing
     }
 
     /// Waits up to `wait` for the ingest of `digest` to appear (a leader's containerd starts
@@ -170,6 +219,36 @@ impl Ingest {
         })
         .boxed())
     }
+}
+
+/// `stream`, the whole of the blob `digest`, checked on the way: the last chunk is only
+/// passed on once every byte matches, so a client sees a body cut short (and resumes
+/// elsewhere), never a complete body with wrong bytes.
+pub fn verified(stream: ByteStream, digest: Digest, total: u64) -> ByteStream {
+    let state = (stream, digest.hasher(), 0u64);
+    futures::stream::unfold(Some(state), move |state| {
+        let digest = digest.clone();
+        async move {
+            let (mut stream, mut hasher, mut seen) = state?;
+            match stream.next().await {
+                Some(Ok(chunk)) => {
+                    hasher.update(&chunk);
+                    seen += chunk.len() as u64;
+                    if seen < total {
+                        return Some((Ok(chunk), Some((stream, hasher, seen))));
+                    }
+                    if hasher.matches(&digest) {
+                        return Some((Ok(chunk), None));
+                    }
+                    tracing::error!(%digest, "a download in progress does not match its digest; not passing it on");
+                    Some((Err(std::io::Error::other("digest mismatch")), None))
+                }
+                Some(Err(e)) => Some((Err(e), None)),
+                None => None,
+            }
+        }
+    })
+    .boxed()
 }
 
 struct Reader {
@@ -421,5 +500,78 @@ mod tests {
         )
         .await;
         assert_eq!(none, Landing::Nothing);
+    }
+
+    /// Two namespaces downloading one digest: the second request's own download (still,
+    /// waiting for the answer) is never picked; the one being written is.
+    #[tokio::test]
+    async fn shares_the_download_that_grows_never_the_askers_own() {
+        let tmp = tempfile::tempdir().unwrap();
+        let content = tmp.path();
+        let (bytes, digest) = blob(50_000);
+        let writing = ingest(content, &digest, bytes.len(), &bytes[..1000]);
+        let own = content.join("ingest").join("77aa");
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(own.join("ref"), format!("default/3/layer-{digest}")).unwrap();
+        std::fs::write(own.join("total"), bytes.len().to_string()).unwrap();
+        std::fs::write(own.join("data"), b"").unwrap();
+
+        let all_fresh = Ingest::find_all(content, &digest, Duration::from_secs(30));
+        assert_eq!(all_fresh.len(), 2, "any namespace");
+        assert!(
+            Ingest::find_all(content, &digest, Duration::ZERO).is_empty(),
+            "leftovers are not in progress"
+        );
+        let committed = content.join("blobs/sha256").join(digest.hex());
+        assert_eq!(
+            Ingest::growing(all_fresh.clone(), &committed, Duration::from_millis(80)).await,
+            Landing::Nothing,
+            "nothing is written: nothing to share"
+        );
+        let data = writing.join("data");
+        let tail = bytes[1000..].to_vec();
+        let writer = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            append(&data, &tail);
+        });
+        let picked = Ingest::growing(all_fresh.clone(), &committed, Duration::from_secs(2)).await;
+        let Landing::InFlight(picked) = picked else {
+            panic!("the growing download is picked");
+        };
+        assert_eq!(picked.dir, writing);
+        writer.await.unwrap();
+        // A small blob lands and is committed between two looks.
+        std::fs::rename(writing.join("data"), &committed).unwrap();
+        assert_eq!(
+            Ingest::growing(all_fresh, &committed, Duration::from_secs(2)).await,
+            Landing::Committed
+        );
+    }
+
+    #[tokio::test]
+    async fn a_verified_stream_withholds_the_last_chunk_of_wrong_bytes() {
+        let (bytes, digest) = blob(3000);
+        let chunks = |b: Vec<u8>| -> ByteStream {
+            let parts: Vec<std::io::Result<Bytes>> = b
+                .chunks(1000)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect();
+            futures::stream::iter(parts).boxed()
+        };
+        let good = all(verified(chunks(bytes.clone()), digest.clone(), 3000)).await;
+        assert_eq!(good.unwrap(), bytes);
+        let mut bad = bytes.clone();
+        bad[1500] ^= 1;
+        let mut stream = verified(chunks(bad), digest, 3000);
+        let mut passed = 0;
+        let mut failed = false;
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(c) => passed += c.len(),
+                Err(_) => failed = true,
+            }
+        }
+        assert!(failed, "a mismatch is an error");
+        assert_eq!(passed, 2000, "the last chunk is never passed on");
     }
 }

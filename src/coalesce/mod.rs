@@ -29,6 +29,7 @@
 
 pub mod inflight;
 pub mod leases;
+pub mod local;
 pub mod rendezvous;
 
 use std::collections::HashMap;
@@ -39,7 +40,9 @@ use std::time::{Duration, Instant};
 use crate::metrics::{CoalesceLabels, Metrics};
 use crate::oci::Digest;
 use crate::routing::{Peer, Router};
+use inflight::{Ingest, Landing};
 use leases::{Grant, LEASE, Leases};
+use local::{Transfer, Transfers};
 
 /// Header on a follower's request: the leader may answer from a download in progress.
 pub const FOLLOW_HEADER: &str = "x-ferry-follow";
@@ -48,6 +51,9 @@ pub const CLAIM_PATH: &str = "/_ferry/v1/claim/";
 /// A claim gets this long. Peer addresses are on the node network (well under a millisecond
 /// away); a coordinator that takes longer is treated as absent, and the miss goes upstream.
 pub const CLAIM_TIMEOUT: Duration = Duration::from_millis(200);
+/// A download on this node counts as in progress, for a second request of this node to
+/// share, if its file was written this recently; older ones are left by failed downloads.
+const SHARE_FRESH: Duration = Duration::from_secs(30);
 
 /// Settings, as values (built in `app.rs`).
 #[derive(Debug, Clone)]
@@ -81,6 +87,8 @@ pub struct Coalescer {
     /// `(registry, repository)` it asked for: served in flight to followers while recorded.
     leading: Mutex<HashMap<Digest, (String, String, Instant)>>,
     claims: Arc<dyn ClaimSender>,
+    /// What this node's containerd is being sent now (coalescing within the node).
+    transfers: Arc<Transfers>,
 }
 
 impl std::fmt::Debug for Coalescer {
@@ -117,6 +125,7 @@ impl Coalescer {
             leases: Leases::default(),
             leading: Mutex::new(HashMap::new()),
             claims,
+            transfers: Arc::default(),
         }
     }
 
@@ -169,6 +178,44 @@ impl Coalescer {
         self.count(role, result);
         tracing::debug!(%digest, coordinator = %coordinator.id, ?decision, "coalesce decision");
         decision
+    }
+
+    /// A request of this node's containerd for `digest`, which its store lacks: a download of
+    /// it in progress on this node to read instead of starting another, if another request of
+    /// this node is transferring it, or this node leads it (its containerd is fetching it
+    /// upstream). Waits up to the follow timeout for that download to grow. The transfer
+    /// must live as long as the response (see `local.rs`).
+    pub async fn share_local(&self, digest: &Digest) -> (Transfer, Landing) {
+        let transfer = self.transfers.begin(digest);
+        if transfer.first && !self.leads(digest) {
+            return (transfer, Landing::Nothing);
+        }
+        let content_dir = &self.config.content_dir;
+        let (dir, d) = (content_dir.clone(), digest.clone());
+        let candidates =
+            tokio::task::spawn_blocking(move || Ingest::find_all(&dir, &d, SHARE_FRESH))
+                .await
+                .unwrap_or_default();
+        let committed = crate::store::containerd::files::blob_path(content_dir, digest);
+        // A single download is the requester's own (containerd opens its writer before it
+        // asks): there is nothing else to read, unless the other one has just landed.
+        if candidates.len() < 2 {
+            let landed = if committed.exists() {
+                Landing::Committed
+            } else {
+                Landing::Nothing
+            };
+            return (transfer, landed);
+        }
+        let found = Ingest::growing(candidates, &committed, self.config.follow_timeout).await;
+        let result = match found {
+            Landing::InFlight(_) => "shared",
+            Landing::Committed => "committed",
+            Landing::Nothing => "nothing_growing",
+        };
+        self.count("local", result);
+        tracing::debug!(%digest, result, "a second request of this node for a digest in transfer");
+        (transfer, found)
     }
 
     /// The coordinator side of a claim from another node.

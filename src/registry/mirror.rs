@@ -12,16 +12,21 @@
 use std::sync::Arc;
 
 use axum::Router;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, Method, Uri, header};
 use axum::response::Response;
+use futures::StreamExt;
 
+use super::in_flight::{self, InFlightBody};
 use super::local::Local;
 use super::peer::{PeerFetcher, PeerRequest};
 use super::request::{self, Request};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};
 use super::{ApiError, HOP_HEADER};
+use crate::coalesce::inflight::Landing;
+use crate::coalesce::local::Transfer;
 use crate::coalesce::{Coalescer, Decision};
 use crate::metrics::{Metrics, SourceLabels, TagLabels};
 use crate::oci::registry::{Registries, RegistryFilters};
@@ -91,12 +96,6 @@ async fn handle(
 }
 
 async fn answer(mirror: &Mirror, req: Request<'_>) -> Result<Response, ApiError> {
-    let peer_request = |name| PeerRequest {
-        name,
-        ns: req.ns.as_deref(),
-        head: req.head,
-        range: None,
-    };
     match &req.path {
         ApiPath::Base => Ok(Request::base()),
         ApiPath::Manifest {
@@ -105,39 +104,9 @@ async fn answer(mirror: &Mirror, req: Request<'_>) -> Result<Response, ApiError>
         } => resolve_tag(mirror, &req, name, tag).await,
         ApiPath::Manifest {
             name,
-            reference: reference @ Reference::Digest(_),
-        } => {
-            let local = mirror
-                .local
-                .manifest(req.head, None, name, reference.clone())
-                .await;
-            let miss = with_peers(mirror, &req, "manifest", local, |peers| {
-                peers.manifest(peer_request(name), reference.clone())
-            })
-            .await;
-            match (miss, reference) {
-                (Err(ApiError::ManifestUnknown), Reference::Digest(digest)) => {
-                    follow(mirror, &req, name, digest, "manifest").await
-                }
-                (other, _) => other,
-            }
-        }
-        ApiPath::Blob { name, digest } => {
-            let local = mirror.local.blob(req.head, req.headers, digest).await;
-            let range = req.headers.get(header::RANGE).and_then(|v| v.to_str().ok());
-            let request = PeerRequest {
-                range,
-                ..peer_request(name)
-            };
-            match with_peers(mirror, &req, "blob", local, |peers| {
-                peers.blob(request, digest.clone())
-            })
-            .await
-            {
-                Err(ApiError::BlobUnknown) => follow(mirror, &req, name, digest, "blob").await,
-                other => other,
-            }
-        }
+            reference: Reference::Digest(digest),
+        } => by_digest(mirror, &req, name, digest, Kind::Manifest).await,
+        ApiPath::Blob { name, digest } => by_digest(mirror, &req, name, digest, Kind::Blob).await,
         ApiPath::Upload { .. } | ApiPath::TagsList { .. } => Err(ApiError::Unsupported),
     }
 }
@@ -216,27 +185,17 @@ async fn follow(
     req: &Request<'_>,
     name: &str,
     digest: &Digest,
-    kind: &'static str,
+    kind: Kind,
 ) -> Result<Response, ApiError> {
-    let miss = || {
-        Err(if kind == "blob" {
-            ApiError::BlobUnknown
-        } else {
-            ApiError::ManifestUnknown
-        })
-    };
+    let miss = || Err(kind.unknown());
     let state = &mirror.state;
     let (Some(coalesce), Some(peers), Some(ns)) = (
-        state.coalesce.as_deref(),
+        coalescing(state, req, name),
         state.peers.as_deref(),
         req.ns.as_deref(),
     ) else {
         return miss();
     };
-    // Not shared with peers (filters): not coordinated either. From a peer: never forwarded.
-    if req.headers.contains_key(HOP_HEADER) || !state.filters.allows(&format!("{ns}/{name}")) {
-        return miss();
-    }
     let range = req.headers.get(header::RANGE).and_then(|v| v.to_str().ok());
     let request = PeerRequest {
         name,
@@ -251,7 +210,7 @@ async fn follow(
             Decision::Follow(leader) => leader,
             Decision::Lead | Decision::Alone => return miss(),
         };
-        let got = if kind == "blob" {
+        let got = if kind == Kind::Blob {
             peers
                 .blob_following(request, digest.clone(), &leader, wait)
                 .await
@@ -262,7 +221,7 @@ async fn follow(
         };
         if let Some(response) = got {
             coalesce.count("follower", "served");
-            count_served(state, kind, "inflight");
+            count_served(state, kind.label(), "inflight");
             tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
             return Ok(response);
         }
@@ -273,37 +232,184 @@ async fn follow(
     miss()
 }
 
-/// Local first; on a local miss, other nodes (unless this request came from a peer: a peer
-/// serves only its own content, so requests never travel further than one hop); then a 404.
-async fn with_peers<'a, F, Fut>(
-    mirror: &'a Mirror,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Manifest,
+    Blob,
+}
+
+impl Kind {
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Manifest => "manifest",
+            Kind::Blob => "blob",
+        }
+    }
+
+    fn unknown(self) -> ApiError {
+        match self {
+            Kind::Manifest => ApiError::ManifestUnknown,
+            Kind::Blob => ApiError::BlobUnknown,
+        }
+    }
+}
+
+/// A blob or a manifest by digest: this node's store; on a miss, another request of this
+/// node transferring it now (`coalesce::local`); then other nodes that hold it (unless this
+/// request came from a peer: a peer serves only its own content, so requests never travel
+/// further than one hop); then the node downloading it as the leader (`follow`); then a 404.
+async fn by_digest(
+    mirror: &Mirror,
     req: &Request<'_>,
-    kind: &'static str,
-    local: Result<Response, ApiError>,
-    ask_peers: F,
-) -> Result<Response, ApiError>
-where
-    F: FnOnce(&'a PeerFetcher) -> Fut,
-    Fut: std::future::Future<Output = Option<Response>>,
-{
+    name: &str,
+    digest: &Digest,
+    kind: Kind,
+) -> Result<Response, ApiError> {
     let state = &mirror.state;
-    let miss = match local {
+    match local(mirror, req, name, digest, kind).await {
         Ok(response) => {
-            count_served(state, kind, "local");
+            count_served(state, kind.label(), "local");
             return Ok(response);
         }
-        Err(e @ (ApiError::ManifestUnknown | ApiError::BlobUnknown)) => e,
+        Err(ApiError::ManifestUnknown | ApiError::BlobUnknown) => {}
         Err(other) => return Err(other),
-    };
-    let from_peer = req.headers.contains_key(HOP_HEADER);
-    if let (Some(peers), false) = (state.peers.as_deref(), from_peer)
-        && let Some(response) = ask_peers(peers).await
-    {
-        count_served(state, kind, "peer");
-        return Ok(response);
     }
-    count_served(state, kind, "miss");
-    Err(miss)
+    let mut transfer = None;
+    if let (Some(coalesce), false) = (coalescing(state, req, name), req.head) {
+        let (mine, shared) = coalesce.share_local(digest).await;
+        if !matches!(shared, Landing::Nothing)
+            && let Some(response) = share(state, coalesce, req, digest, kind, shared).await
+        {
+            count_served(state, kind.label(), "inflight");
+            return Ok(keep(response, Some(mine)));
+        }
+        transfer = Some(mine);
+    }
+    let ns = req.ns.as_deref();
+    let from_peer = req.headers.contains_key(HOP_HEADER);
+    if let (Some(peers), false) = (state.peers.as_deref(), from_peer) {
+        let request = PeerRequest {
+            name,
+            ns,
+            head: req.head,
+            range: req.headers.get(header::RANGE).and_then(|v| v.to_str().ok()),
+        };
+        let got = match kind {
+            Kind::Blob => peers.blob(request, digest.clone()).await,
+            Kind::Manifest => {
+                let request = PeerRequest {
+                    range: None,
+                    ..request
+                };
+                let reference = Reference::Digest(digest.clone());
+                peers.manifest(request, reference).await
+            }
+        };
+        if let Some(response) = got {
+            count_served(state, kind.label(), "peer");
+            return Ok(keep(response, transfer));
+        }
+    }
+    match follow(mirror, req, name, digest, kind).await {
+        Ok(response) => Ok(keep(response, transfer)),
+        Err(e) => {
+            count_served(state, kind.label(), "miss");
+            Err(e)
+        }
+    }
+}
+
+/// This node's store.
+async fn local(
+    mirror: &Mirror,
+    req: &Request<'_>,
+    name: &str,
+    digest: &Digest,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    match kind {
+        Kind::Manifest => {
+            let reference = Reference::Digest(digest.clone());
+            mirror.local.manifest(req.head, None, name, reference).await
+        }
+        Kind::Blob => mirror.local.blob(req.head, req.headers, digest).await,
+    }
+}
+
+/// The coalescer, if this request may be coalesced: coalescing is on, the request is this
+/// node's containerd's (not a peer's: never forwarded) and for an image shared with peers
+/// (`--registry-filters`: a filtered registry is never followed or served).
+fn coalescing<'a>(state: &'a MirrorState, req: &Request<'_>, name: &str) -> Option<&'a Coalescer> {
+    let coalesce = state.coalesce.as_deref()?;
+    let ns = req.ns.as_deref()?;
+    let shared = state.filters.allows(&format!("{ns}/{name}"));
+    (shared && !req.headers.contains_key(HOP_HEADER)).then_some(coalesce)
+}
+
+/// A second request of this node's containerd, answered from the first one's download:
+/// in progress, or just landed (read from its file, whichever containerd namespace it landed
+/// in: this node's store may not list it yet, or ever). `None` when it cannot be read after
+/// all (then the usual path answers).
+async fn share(
+    state: &MirrorState,
+    coalesce: &Coalescer,
+    req: &Request<'_>,
+    digest: &Digest,
+    kind: Kind,
+    landing: Landing,
+) -> Option<Response> {
+    let content_dir = &coalesce.config().content_dir;
+    let committed = crate::store::containerd::files::blob_path(content_dir, digest);
+    let (stream, total, range) = match landing {
+        Landing::InFlight(ingest) => {
+            let range = in_flight::range_to_end(req.headers, ingest.total).ok()?;
+            let start = range.map_or(0, |r| r.start);
+            let stream = ingest
+                .read_from(start, committed, in_flight::IDLE)
+                .await
+                .ok()?;
+            (stream, ingest.total, range)
+        }
+        Landing::Committed => {
+            let total = tokio::fs::metadata(&committed).await.ok()?.len();
+            let range = in_flight::range_to_end(req.headers, total).ok()?;
+            let start = range.map_or(0, |r| r.start);
+            let open = crate::store::containerd::files::open(
+                content_dir,
+                digest,
+                total,
+                start,
+                total - start,
+            );
+            (open.await.ok()?, total, range)
+        }
+        Landing::Nothing => return None,
+    };
+    tracing::debug!(%digest, total, "sharing a download on this node");
+    if kind == Kind::Manifest {
+        return in_flight::manifest(false, digest, stream, total).await.ok();
+    }
+    let body = InFlightBody {
+        stream,
+        total,
+        range,
+        verify: true,
+    };
+    let counter = state.metrics.inflight_bytes.clone();
+    Some(in_flight::blob(false, digest, body, counter))
+}
+
+/// `response`, with `transfer` kept alive until its body has been sent.
+fn keep(response: Response, transfer: Option<Transfer>) -> Response {
+    let Some(transfer) = transfer else {
+        return response;
+    };
+    let (parts, body) = response.into_parts();
+    let body = body.into_data_stream().map(move |chunk| {
+        let _ = &transfer;
+        chunk
+    });
+    Response::from_parts(parts, Body::from_stream(body))
 }
 
 fn count_served(state: &MirrorState, kind: &'static str, source: &'static str) {

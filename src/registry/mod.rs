@@ -6,6 +6,7 @@
 //! (`error.rs`, translated to HTTP in that one place).
 
 mod error;
+mod in_flight;
 mod local;
 pub mod mirror;
 pub mod peer;

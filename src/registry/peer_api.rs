@@ -15,44 +15,31 @@
 use std::sync::Arc;
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, Method, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use futures::TryStreamExt;
 use tokio::sync::watch;
 
 use super::ApiError;
+use super::in_flight::{self, InFlightBody};
 use super::local::Local;
 use super::peer::ClaimAnswer;
 use super::request::{self, Request};
 use crate::coalesce::inflight::{Ingest, Landing};
 use crate::coalesce::{CLAIM_PATH, Coalescer, FOLLOW_HEADER};
 use crate::metrics::{Metrics, ReasonLabels};
-use crate::oci::manifest::{MAX_MANIFEST_BYTES, sniff_media_type};
+use crate::oci::Digest;
 use crate::oci::registry::Registries;
 use crate::oci::{ApiPath, Reference};
-use crate::oci::{DOCKER_CONTENT_DIGEST, Digest};
 use crate::routing::Peer;
 use crate::routing::sync::Exposed;
 use crate::routing::{digest_key, tag_key};
 use crate::store::ContentStore;
-use crate::store::{ByteStream, StoreError};
 use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
-
-/// A leader's download that lands nothing for this long is given up on by its followers'
-/// streams (they resume elsewhere): as `--peer-idle-timeout`'s default.
-const IN_FLIGHT_IDLE: Duration = Duration::from_secs(5);
-
-/// containerd renames a download into place, then records the commit: a blob whose file is
-/// there may be unknown to containerd for a moment. Asked again this often, this many times
-/// (half a second in all).
-const COMMIT_RECORD_POLL: Duration = Duration::from_millis(10);
-const COMMIT_RECORD_TRIES: usize = 50;
 
 /// What the peer address's handler needs; shared read-only by every request.
 #[derive(Clone)]
@@ -223,10 +210,12 @@ async fn in_flight(
     // records the commit just after the rename, so a blob whose file is there may be unknown
     // to it for a moment.
     let settled = || async {
-        for _ in 0..COMMIT_RECORD_TRIES {
+        for _ in 0..in_flight::COMMIT_RECORD_TRIES {
             match complete().await {
                 Ok(response) => return Ok(response),
-                Err(_) if committed.exists() => tokio::time::sleep(COMMIT_RECORD_POLL).await,
+                Err(_) if committed.exists() => {
+                    tokio::time::sleep(in_flight::COMMIT_RECORD_POLL).await
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -237,25 +226,12 @@ async fn in_flight(
         // Committed meanwhile, or never started (then the follower goes elsewhere).
         Landing::Committed | Landing::Nothing => return settled().await,
     };
-    let range = match req.headers.get(header::RANGE) {
-        Some(v) => {
-            let v = v
-                .to_str()
-                .map_err(|_| crate::oci::RangeError::Malformed("not ASCII"))?;
-            Some(crate::oci::range::parse(v, ingest.total)?)
-        }
-        None => None,
-    };
-    let (start, len) = range.map_or((0, ingest.total), |r| (r.start, r.len()));
-    if start + len != ingest.total {
-        // containerd resumes with `bytes=<offset>-`: only ranges to the end are served in
-        // flight (the follower then resumes elsewhere).
-        return Err(ApiError::BlobUnknown);
-    }
+    let range = in_flight::range_to_end(req.headers, ingest.total)?;
+    let start = range.map_or(0, |r| r.start);
     // Headers only for a download that is alive: a follower whose leader has nothing (its
     // containerd died, its upstream refused) hears so within the follow timeout, reports the
     // leader and goes upstream itself, instead of stalling mid-body.
-    if !ingest.landing(start, IN_FLIGHT_IDLE, deadline).await {
+    if !ingest.landing(start, in_flight::IDLE, deadline).await {
         if committed.exists() {
             return settled().await;
         }
@@ -263,77 +239,26 @@ async fn in_flight(
         return complete().await;
     }
     let stream = match ingest
-        .read_from(start, committed.clone(), IN_FLIGHT_IDLE)
+        .read_from(start, committed.clone(), in_flight::IDLE)
         .await
     {
         Ok(stream) => stream,
         // Committed between the look and the open (the data file was renamed).
         Err(_) => return settled().await,
     };
-    let is_manifest = matches!(req.path, ApiPath::Manifest { .. });
-    if is_manifest {
-        return in_flight_manifest(req.head, digest, stream, ingest.total).await;
-    }
-    let mut response = Response::builder()
-        .status(if range.is_some() {
-            StatusCode::PARTIAL_CONTENT
-        } else {
-            StatusCode::OK
-        })
-        .header(header::CONTENT_TYPE, "application/octet-stream")
-        .header(header::CONTENT_LENGTH, len)
-        .header(header::ACCEPT_RANGES, "bytes")
-        .header(DOCKER_CONTENT_DIGEST, digest.to_string());
-    if let Some(r) = range
-        && let Ok(v) = HeaderValue::from_str(&r.content_range(ingest.total))
-    {
-        response = response.header(header::CONTENT_RANGE, v);
-    }
-    if req.head {
-        return Ok(response.body(Body::empty()).unwrap_or_default());
+    if matches!(req.path, ApiPath::Manifest { .. }) {
+        return in_flight::manifest(req.head, digest, stream, ingest.total).await;
     }
     tracing::debug!(%digest, start, total = ingest.total, "serving a follower from the download in progress");
-    let counter = api.state.metrics.inflight_bytes.clone();
-    // Content-Length is set: a stream that errors (the download aborted or stalled) makes
-    // hyper cut the connection, and the follower resumes elsewhere; never a short blob.
-    let body = Body::from_stream(stream.inspect_ok(move |c| {
-        counter.inc_by(c.len() as u64);
-    }));
-    Ok(response.body(body).unwrap_or_default())
-}
-
-/// A manifest in flight: read whole (they are small), checked, then served like a stored one.
-async fn in_flight_manifest(
-    head: bool,
-    digest: &Digest,
-    stream: ByteStream,
-    total: u64,
-) -> Result<Response, ApiError> {
-    if total > MAX_MANIFEST_BYTES {
-        return Err(ApiError::ManifestUnknown);
-    }
-    let bytes: Vec<u8> = stream
-        .try_fold(Vec::new(), |mut all, c| async move {
-            all.extend_from_slice(&c);
-            Ok(all)
-        })
-        .await
-        .map_err(|e| ApiError::manifest(StoreError::Io(e)))?;
-    if !digest.matches(&bytes) {
-        return Err(ApiError::ManifestUnknown);
-    }
-    let media_type = sniff_media_type(&bytes).ok_or(ApiError::ManifestUnknown)?;
-    let response = Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, media_type)
-        .header(header::CONTENT_LENGTH, bytes.len())
-        .header(DOCKER_CONTENT_DIGEST, digest.to_string());
-    let body = if head {
-        Body::empty()
-    } else {
-        Body::from(bytes)
+    // The follower checks the digest itself: not hashed twice.
+    let body = InFlightBody {
+        stream,
+        total: ingest.total,
+        range,
+        verify: false,
     };
-    Ok(response.body(body).unwrap_or_default())
+    let counter = api.state.metrics.inflight_bytes.clone();
+    Ok(in_flight::blob(req.head, digest, body, counter))
 }
 
 /// Peer requests carry a token signed with the cluster secret (when there is one). Checked

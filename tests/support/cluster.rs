@@ -129,8 +129,13 @@ impl Node {
 
     /// `ctr images pull` in the node's namespace: `Ok(output)` or `Err(output)`.
     pub fn try_pull(&self, reference: &str) -> Result<String, String> {
+        self.try_pull_in("k8s.io", reference)
+    }
+
+    /// `ctr images pull` into another containerd namespace (`nerdctl`'s `default`, say).
+    pub fn try_pull_in(&self, namespace: &str, reference: &str) -> Result<String, String> {
         self.containerd
-            .try_pull("k8s.io", reference, &self.containerd.hosts_dir)
+            .try_pull(namespace, reference, &self.containerd.hosts_dir)
     }
 
     /// Removes the image and its content, as if never pulled (containerd's garbage collector
@@ -160,10 +165,15 @@ impl Node {
 
     /// The blob as containerd committed it on this node matches its digest.
     pub fn committed_matches(&self, digest: &str) -> bool {
+        self.committed_matches_in("k8s.io", digest)
+    }
+
+    /// As [`Node::committed_matches`], in containerd namespace `namespace`.
+    pub fn committed_matches_in(&self, namespace: &str, digest: &str) -> bool {
         let out = std::process::Command::new("ctr")
             .arg("--address")
             .arg(&self.containerd.socket)
-            .args(["-n", "k8s.io", "content", "get", digest])
+            .args(["-n", namespace, "content", "get", digest])
             .output()
             .expect("run ctr");
         out.status.success() && super::sha256_hex(&out.stdout) == digest

@@ -1,0 +1,127 @@
+//! Answers out of a download in progress (`coalesce::inflight`), for both routers: a
+//! follower on the peer address, and a second request of this node's containerd on the
+//! mirror (`coalesce::local`).
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::Response;
+use futures::TryStreamExt;
+use prometheus_client::metrics::counter::Counter;
+
+use super::ApiError;
+use crate::oci::manifest::{MAX_MANIFEST_BYTES, sniff_media_type};
+use crate::oci::range::{self, ByteRange};
+use crate::oci::{DOCKER_CONTENT_DIGEST, Digest};
+use crate::store::{ByteStream, StoreError};
+
+/// A download that lands nothing for this long is given up on by the streams reading it
+/// (their askers resume elsewhere): as `--peer-idle-timeout`'s default.
+pub const IDLE: Duration = Duration::from_secs(5);
+
+/// containerd renames a download into place, then records the commit: a blob whose file is
+/// there may be unknown to containerd for a moment. Asked again this often, this many times
+/// (half a second in all).
+pub const COMMIT_RECORD_POLL: Duration = Duration::from_millis(10);
+pub const COMMIT_RECORD_TRIES: usize = 50;
+
+/// The request's range, if any: only ranges to the end are served from a download in
+/// progress (containerd resumes with `bytes=<offset>-`); any other is a miss, and the
+/// asker goes elsewhere.
+pub fn range_to_end(headers: &HeaderMap, total: u64) -> Result<Option<ByteRange>, ApiError> {
+    let Some(v) = headers.get(header::RANGE) else {
+        return Ok(None);
+    };
+    let v = v
+        .to_str()
+        .map_err(|_| crate::oci::RangeError::Malformed("not ASCII"))?;
+    let r = range::parse(v, total)?;
+    if r.start + r.len() != total {
+        return Err(ApiError::BlobUnknown);
+    }
+    Ok(Some(r))
+}
+
+/// What is read out of the download: from the range's start (or 0) to `total`.
+pub struct InFlightBody {
+    pub stream: ByteStream,
+    pub total: u64,
+    pub range: Option<ByteRange>,
+    /// Check the whole blob on the way (see `inflight::verified`); ranges cannot be.
+    pub verify: bool,
+}
+
+/// A blob's response, streamed as its download lands. Content-Length is set: a stream that
+/// errors (the download aborted, stalled or did not match) makes hyper cut the connection,
+/// and the asker resumes elsewhere; never a short blob.
+pub fn blob(head: bool, digest: &Digest, body: InFlightBody, counter: Counter) -> Response {
+    let InFlightBody {
+        stream,
+        total,
+        range,
+        verify,
+    } = body;
+    let len = range.map_or(total, |r| r.len());
+    let mut response = Response::builder()
+        .status(if range.is_some() {
+            StatusCode::PARTIAL_CONTENT
+        } else {
+            StatusCode::OK
+        })
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, len)
+        .header(header::ACCEPT_RANGES, "bytes")
+        .header(DOCKER_CONTENT_DIGEST, digest.to_string());
+    if let Some(r) = range
+        && let Ok(v) = HeaderValue::from_str(&r.content_range(total))
+    {
+        response = response.header(header::CONTENT_RANGE, v);
+    }
+    if head {
+        return response.body(Body::empty()).unwrap_or_default();
+    }
+    let stream = if verify && range.is_none() {
+        crate::coalesce::inflight::verified(stream, digest.clone(), total)
+    } else {
+        stream
+    };
+    let body = Body::from_stream(stream.inspect_ok(move |c| {
+        counter.inc_by(c.len() as u64);
+    }));
+    response.body(body).unwrap_or_default()
+}
+
+/// A manifest in flight: read whole (they are small), checked, then served like a stored one.
+pub async fn manifest(
+    head: bool,
+    digest: &Digest,
+    stream: ByteStream,
+    total: u64,
+) -> Result<Response, ApiError> {
+    if total > MAX_MANIFEST_BYTES {
+        return Err(ApiError::ManifestUnknown);
+    }
+    let bytes: Vec<u8> = stream
+        .try_fold(Vec::new(), |mut all, c| async move {
+            all.extend_from_slice(&c);
+            Ok(all)
+        })
+        .await
+        .map_err(|e| ApiError::manifest(StoreError::Io(e)))?;
+    if !digest.matches(&bytes) {
+        return Err(ApiError::ManifestUnknown);
+    }
+    let media_type = sniff_media_type(&bytes).ok_or(ApiError::ManifestUnknown)?;
+    let response = Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, media_type)
+        .header(header::CONTENT_LENGTH, bytes.len())
+        .header(DOCKER_CONTENT_DIGEST, digest.to_string());
+    let body = if head {
+        Body::empty()
+    } else {
+        Body::from(bytes)
+    };
+    Ok(response.body(body).unwrap_or_default())
+}
