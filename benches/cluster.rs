@@ -250,6 +250,7 @@ fn main() {
             registry: &registry,
             upstream,
             cache: cache_addr,
+            near,
             dir,
         };
         let layers = *opts.layers.last().unwrap_or(&4);

@@ -618,6 +618,10 @@ pub fn report(outcomes: &[Outcome]) {
         match &o.action {
             Action::Unchanged => tracing::debug!(%path, "hosts.toml already up to date"),
             Action::Skipped(reason) => tracing::warn!(%path, "hosts.toml skipped: {reason}"),
+            Action::Failed(reason) => tracing::error!(
+                %path,
+                "hosts.toml could not be written, left as it was (the other registries are configured): {reason}"
+            ),
             action => tracing::info!(%path, ?action, "hosts.toml"),
         }
     }

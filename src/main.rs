@@ -83,7 +83,25 @@ fn configure(config: &Config) -> anyhow::Result<()> {
     {
         eprintln!("warning: {warning}");
     }
-    Ok(())
+    failures(&outcomes)
+}
+
+/// An error (exit 1) naming the files that could not be written, after all the others were
+/// done.
+fn failures(outcomes: &[containerd_config::Outcome]) -> anyhow::Result<()> {
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter(|o| matches!(o.action, Action::Failed(_)))
+        .map(|o| o.path.display().to_string())
+        .collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{} hosts.toml file(s) could not be written (the others were): {}",
+        failed.len(),
+        failed.join(", ")
+    )
 }
 
 fn cleanup(config: &Config) -> anyhow::Result<()> {
@@ -92,7 +110,7 @@ fn cleanup(config: &Config) -> anyhow::Result<()> {
         println!("nothing of ferry's in {}", config.hosts_dir.display());
     }
     print_outcomes(&outcomes);
-    Ok(())
+    failures(&outcomes)
 }
 
 fn print_outcomes(outcomes: &[containerd_config::Outcome]) {
@@ -105,6 +123,7 @@ fn print_outcomes(outcomes: &[containerd_config::Outcome]) {
             Action::Restored => "restored".to_string(),
             Action::Removed => "removed".to_string(),
             Action::Skipped(reason) => format!("SKIPPED: {reason}"),
+            Action::Failed(reason) => format!("FAILED: {reason}"),
         };
         println!("{}: {what}", o.path.display());
     }

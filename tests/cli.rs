@@ -338,3 +338,62 @@ fn the_systemd_unit_verifies() {
         .collect();
     assert!(problems.is_empty(), "systemd-analyze verify: {stderr}");
 }
+
+/// One registry directory Ferry cannot read or write (here a directory where `hosts.toml`
+/// should be, which even root cannot write over) never stops the others: `configure` and
+/// `cleanup` do every other file and then exit 1 naming it, and `ferry run` starts, serves
+/// and configures the rest.
+#[test]
+fn one_unwritable_registry_directory_never_stops_the_others() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hosts = tmp.path().join("certs.d");
+    std::fs::create_dir_all(hosts.join("bad.example/hosts.toml")).unwrap();
+    std::fs::create_dir_all(hosts.join("docker.io")).unwrap();
+    std::fs::write(
+        hosts.join("docker.io/hosts.toml"),
+        golden("dockerhub-operator-mirror"),
+    )
+    .unwrap();
+    let before = snapshot(&hosts);
+    let dir = hosts.to_str().unwrap();
+
+    let out = ferry(&["configure", "--hosts-dir", dir], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(stderr.contains("bad.example/hosts.toml"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("FAILED"), "{stdout}");
+    for done in ["_default/hosts.toml", "docker.io/hosts.toml"] {
+        let text = std::fs::read_to_string(hosts.join(done)).unwrap();
+        assert!(text.contains("127.0.0.1:5480"), "{done}: {text}");
+    }
+
+    let out = ferry(&["cleanup", "--hosts-dir", dir], &[]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(snapshot(&hosts), before, "everything else restored");
+
+    // `ferry run`: no containerd here, which it waits for while serving.
+    let (mirror, metrics) = (support::free_addr(), support::free_addr());
+    let mut cmd = Command::new(Ferry::bin());
+    cmd.args(["run", "--p2p", "false", "--hosts-dir", dir])
+        .args(["--mirror-addr", &mirror.to_string()])
+        .args(["--metrics-addr", &metrics.to_string()])
+        .args(["--containerd-socket", "/nonexistent/containerd.sock"])
+        .args(["--containerd-config", "/nonexistent/containerd.toml"])
+        .arg("--data-dir")
+        .arg(tmp.path().join("data"));
+    let run = support::Proc::spawn(cmd, tmp.path().join("ferry.log"));
+    support::wait_for("ferry run to serve despite the bad directory", || {
+        support::http_status(&format!("http://{metrics}/healthz")) == Some(200)
+    });
+    let text = std::fs::read_to_string(hosts.join("_default/hosts.toml")).unwrap();
+    assert!(text.contains(&format!("http://{mirror}")), "{text}");
+    assert_eq!(
+        support::http_status(&format!("http://{mirror}/v2/")),
+        Some(200)
+    );
+    drop(run);
+    let out = ferry(&["cleanup", "--hosts-dir", dir], &[]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(snapshot(&hosts), before, "restored after run too");
+}

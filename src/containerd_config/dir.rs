@@ -33,6 +33,20 @@ pub enum Action {
     Removed,
     /// Left untouched, with the reason (unparseable file, unsupported layout, legacy certs).
     Skipped(String),
+    /// Could not be read or written (a directory where the file should be, a read-only
+    /// mount, a full disk): left as it was (writes are atomic), the others still done.
+    Failed(String),
+}
+
+impl DirError {
+    /// This error as the outcome of its one file: one bad registry directory never stops
+    /// the others.
+    fn outcome(self) -> Outcome {
+        Outcome {
+            action: Action::Failed(self.source.to_string()),
+            path: self.path,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -51,8 +65,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DirError + '_ {
 }
 
 /// Writes Ferry's mirror entry into every `hosts.toml` the registries need. A file that cannot
-/// be merged is reported in its outcome and left as it is; only a hosts directory that cannot
-/// be read or created at all is an error.
+/// be merged, read or written is reported in its outcome and left as it is, and the others are
+/// still done; only a hosts directory that cannot be read or created at all is an error.
 pub fn configure(
     hosts_dir: &Path,
     registries: &Registries,
@@ -70,10 +84,10 @@ pub fn configure(
             dirs
         }
     };
-    targets
+    Ok(targets
         .iter()
-        .map(|host| configure_one(hosts_dir, host, mirror_url))
-        .collect()
+        .map(|host| configure_one(hosts_dir, host, mirror_url).unwrap_or_else(DirError::outcome))
+        .collect())
 }
 
 fn configure_one(hosts_dir: &Path, host: &str, mirror_url: &str) -> Result<Outcome, DirError> {
@@ -164,36 +178,44 @@ pub fn cleanup(hosts_dir: &Path) -> Result<Vec<Outcome>, DirError> {
     }
     let mut outcomes = Vec::new();
     for host in existing_host_dirs(hosts_dir)? {
-        let dir = hosts_dir.join(&host);
-        let _ = fs::remove_file(dir.join(TEMP_FILE));
-        let path = dir.join(HOSTS_FILE);
-        let text = match fs::read(&path) {
-            Ok(bytes) => match String::from_utf8(bytes) {
-                Ok(text) => text,
-                Err(_) => continue,
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(io_err(&path)(e)),
-        };
-        let action = match hosts::cleanup(&text) {
-            Cleaned::Untouched => continue,
-            Cleaned::Broken(reason) => Action::Skipped(reason),
-            Cleaned::Restored(original) => {
-                write_atomic(&path, &original)?;
-                Action::Restored
-            }
-            Cleaned::Delete { dir: created_dir } => {
-                fs::remove_file(&path).map_err(io_err(&path))?;
-                if created_dir {
-                    // Fails, and is meant to, if the operator has since put files there.
-                    let _ = fs::remove_dir(&dir);
-                }
-                Action::Removed
-            }
-        };
-        outcomes.push(Outcome { path, action });
+        match cleanup_one(&hosts_dir.join(&host)) {
+            Ok(Some(outcome)) => outcomes.push(outcome),
+            Ok(None) => {}
+            Err(e) => outcomes.push(e.outcome()),
+        }
     }
     Ok(outcomes)
+}
+
+/// One host directory's cleanup; `None` when there is nothing of Ferry's in it.
+fn cleanup_one(dir: &Path) -> Result<Option<Outcome>, DirError> {
+    let _ = fs::remove_file(dir.join(TEMP_FILE));
+    let path = dir.join(HOSTS_FILE);
+    let text = match fs::read(&path) {
+        Ok(bytes) => match String::from_utf8(bytes) {
+            Ok(text) => text,
+            Err(_) => return Ok(None),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err(&path)(e)),
+    };
+    let action = match hosts::cleanup(&text) {
+        Cleaned::Untouched => return Ok(None),
+        Cleaned::Broken(reason) => Action::Skipped(reason),
+        Cleaned::Restored(original) => {
+            write_atomic(&path, &original)?;
+            Action::Restored
+        }
+        Cleaned::Delete { dir: created_dir } => {
+            fs::remove_file(&path).map_err(io_err(&path))?;
+            if created_dir {
+                // Fails, and is meant to, if the operator has since put files there.
+                let _ = fs::remove_dir(dir);
+            }
+            Action::Removed
+        }
+    };
+    Ok(Some(Outcome { path, action }))
 }
 
 fn existing_host_dirs(hosts_dir: &Path) -> Result<Vec<String>, DirError> {
