@@ -26,6 +26,7 @@ use crate::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
 use crate::metrics::Metrics;
 use crate::oci::registry::Registries;
 use crate::ops::{self, Readiness};
+use crate::registry::integrity::Integrity;
 use crate::registry::peer::PeerFetchConfig;
 use crate::registry::upstream::{PROBE_INTERVAL, PROBE_TIMEOUT};
 use crate::registry::{
@@ -40,6 +41,11 @@ use crate::store::containerd::ContainerdStore;
 
 /// How long in-flight requests may run on after SIGTERM before they are cut off.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long readiness waits for a first peer when a bootstrap source names other nodes: long
+/// enough for the nodes of a new pool to find each other (they dial again within tens of
+/// milliseconds), short enough that the first node of a cluster, which has no one to find,
+/// is ready soon anyway.
+pub const FIRST_PEER_WAIT: Duration = Duration::from_secs(15);
 /// How often a reachable containerd is probed; a restart is noticed within this.
 const HEALTH_INTERVAL: Duration = Duration::from_secs(2);
 /// Reconnect backoff while containerd is down: starts small (containerd usually comes up
@@ -398,6 +404,13 @@ pub async fn serve(
             secret,
             exposed,
             coalesce,
+            integrity: peers.as_ref().map(|(router, _, _, _)| {
+                Arc::new(Integrity::new(
+                    config.containerd_content_dir.clone(),
+                    router.clone(),
+                    metrics.clone(),
+                ))
+            }),
         };
         spawn_server(
             &tracker,
@@ -414,6 +427,16 @@ pub async fn serve(
         listeners.ops,
         ops::router(readiness.clone(), metrics.clone()),
     );
+    if let Some((router, _, _, _)) = &peers
+        && !router.ready()
+    {
+        readiness.waiting_for_peers.store(true, Ordering::Relaxed);
+        tracker.spawn(wait_for_first_peer(
+            router.clone(),
+            readiness.clone(),
+            token.clone(),
+        ));
+    }
     if let Some((router, _, _, sync_config)) = peers {
         tracker.spawn(sync::run(
             store.clone(),
@@ -542,17 +565,58 @@ fn spawn_server(
 ) {
     let stop = token.clone();
     let listener = LimitedListener::new(listener, MAX_CONNECTIONS);
-    let router = router.layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-        MAX_IN_FLIGHT,
-    ));
+    let bounds = crate::server::Bounds {
+        head_deadline: crate::server::HEAD_DEADLINE,
+        in_flight: MAX_IN_FLIGHT,
+    };
     tracing::debug!("{name} listener serving");
-    tracker.spawn(crate::server::serve(listener, router, stop));
+    tracker.spawn(crate::server::serve(listener, router, bounds, stop));
 }
 
+/// The kernel's queue of connections not yet accepted (capped by `net.core.somaxconn`). The
+/// default of 128 overflows under a burst of connections at the connection limit, and an
+/// overflowing queue drops the handshake's last packet: the client believes it is connected
+/// while the server retries for seconds.
+const LISTEN_BACKLOG: u32 = 4096;
+
 async fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| AppError::Bind { addr, source })
+    let err = |source| AppError::Bind { addr, source };
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }
+    .map_err(err)?;
+    // As std's and tokio's own `bind`: a restarted Ferry rebinds at once.
+    socket.set_reuseaddr(true).map_err(err)?;
+    socket.bind(addr).map_err(err)?;
+    socket.listen(LISTEN_BACKLOG).map_err(err)
+}
+
+/// Holds readiness back until the first peer is connected, for at most [`FIRST_PEER_WAIT`].
+async fn wait_for_first_peer(
+    router: Arc<dyn crate::routing::Router>,
+    readiness: Arc<Readiness>,
+    token: CancellationToken,
+) {
+    let started = std::time::Instant::now();
+    while !router.ready() && started.elapsed() < FIRST_PEER_WAIT {
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+    }
+    if router.ready() {
+        tracing::info!(
+            waited_ms = started.elapsed().as_millis() as u64,
+            "first peer connected"
+        );
+    } else {
+        tracing::warn!(
+            waited_s = FIRST_PEER_WAIT.as_secs(),
+            "no peer connected although bootstrap names other nodes; ready anyway (the first node of a cluster has no one to find)"
+        );
+    }
+    readiness.waiting_for_peers.store(false, Ordering::Relaxed);
 }
 
 /// Keeps readiness and `containerd_up` current; never exits on its own, whatever containerd

@@ -14,7 +14,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// Open connections per listener. containerd opens a few per pull; a node runs a handful of
 /// pulls at once; peers add one pool each. Thousands is generous and still bounded.
 pub const MAX_CONNECTIONS: usize = 2048;
-/// Requests being answered at once per listener (each holds at most one read buffer).
+/// Requests being answered at once per listener, bodies included (each holds at most one read
+/// buffer).
 pub const MAX_IN_FLIGHT: usize = 1024;
 
 /// A TCP listener that accepts at most `limit` connections at a time.
@@ -30,6 +31,13 @@ impl LimitedListener {
             inner,
             permits: Arc::new(Semaphore::new(limit)),
         }
+    }
+}
+
+impl LimitedListener {
+    /// Every slot is taken: the next connection waits until one closes.
+    pub fn is_full(&self) -> bool {
+        self.permits.available_permits() == 0
     }
 }
 

@@ -112,6 +112,7 @@ pub struct Metrics {
     pub coalesce: Family<CoalesceLabels, Counter>,
     pub inflight_bytes: Counter,
     pub follow_wait: Histogram,
+    pub corrupt_blobs: Counter,
 }
 
 impl Default for Metrics {
@@ -145,6 +146,7 @@ impl Metrics {
         let coalesce = Family::<CoalesceLabels, Counter>::default();
         let inflight_bytes = Counter::default();
         let follow_wait = Histogram::new(DURATION_BUCKETS);
+        let corrupt_blobs = Counter::default();
         registry.register(
             "http_requests",
             "Registry API requests by kind, method and status",
@@ -241,6 +243,11 @@ impl Metrics {
             inflight_bytes.clone(),
         );
         registry.register(
+            "corrupt_blobs",
+            "Blobs in this node's content store found not to match their digest before serving a peer",
+            corrupt_blobs.clone(),
+        );
+        registry.register(
             "follow_wait_seconds",
             "Time a follower waited for its leader's first byte",
             follow_wait.clone(),
@@ -267,6 +274,7 @@ impl Metrics {
             coalesce,
             inflight_bytes,
             follow_wait,
+            corrupt_blobs,
         }
     }
 

@@ -11,12 +11,16 @@ use axum::routing::get;
 
 use crate::metrics::Metrics;
 
-/// The three conditions of readiness. Each is set by the one task that owns that condition.
+/// The conditions of readiness. Each is set by the one task that owns that condition.
 #[derive(Debug, Default)]
 pub struct Readiness {
     pub hosts_written: AtomicBool,
     pub listening: AtomicBool,
     pub containerd_up: AtomicBool,
+    /// A bootstrap source names other nodes and none is connected yet (for at most
+    /// `app::FIRST_PEER_WAIT`): a node of a new pool is not ready until it can ask its peers,
+    /// so the kubelet's first pulls (held back by the ready taint) do not all go upstream.
+    pub waiting_for_peers: AtomicBool,
 }
 
 impl Readiness {
@@ -24,6 +28,7 @@ impl Readiness {
         self.hosts_written.load(Ordering::Relaxed)
             && self.listening.load(Ordering::Relaxed)
             && self.containerd_up.load(Ordering::Relaxed)
+            && !self.waiting_for_peers.load(Ordering::Relaxed)
     }
 
     fn report(&self) -> String {
@@ -34,8 +39,13 @@ impl Readiness {
                 "no"
             }
         };
+        let peers = if self.waiting_for_peers.load(Ordering::Relaxed) {
+            "waiting for the first"
+        } else {
+            "yes"
+        };
         format!(
-            "hosts config written: {}\nmirror listening: {}\ncontainerd reachable: {}\n",
+            "hosts config written: {}\nmirror listening: {}\ncontainerd reachable: {}\npeers found (or not expected): {peers}\n",
             yes_no(&self.hosts_written),
             yes_no(&self.listening),
             yes_no(&self.containerd_up)

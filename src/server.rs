@@ -1,48 +1,251 @@
-//! Serving a router on a listener with hyper directly. `axum::serve` gives hyper no timer, so
-//! hyper's header read timeout never fires: a client that sends header bytes slowly (or opens
-//! a connection and says nothing) would hold one of the listener's connection slots forever.
-//! Here every connection must deliver a request's headers within [`HEADER_READ_TIMEOUT`].
+//! Serving a router on a listener with hyper directly, with the bounds a hostile or broken
+//! client must not get past:
+//! - **A deadline from accept to a complete request head** ([`HEAD_DEADLINE`]), and again
+//!   from the end of each response to the next request's head. hyper's own header read timeout
+//!   starts only with the first byte, and the HTTP/2 preface has none: a client that connects
+//!   and says nothing (or trickles header bytes) would otherwise hold a connection slot forever.
+//!   A connection is closed only while no request of it is being answered: a slow reader of a
+//!   large blob keeps its connection.
+//! - **At the connection limit, the longest-idle connection makes room** for the next one,
+//!   so a flood of idle connections cannot keep containerd, peers or the kubelet's probes out.
+//! - **Requests in flight are counted until their body is sent**, not only until their
+//!   headers are ready (a thousand slow readers of a large blob are a thousand requests).
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
+use axum::body::Body;
 use axum::serve::Listener;
+use hyper::body::{Frame, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
 
 use crate::limits::LimitedListener;
 
-/// containerd and peers send a request's headers at once; 10 s is generous for a loaded node.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// containerd and peers send a request's head at once, on a connection they opened to send
+/// it; 10 s is generous for a loaded node.
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Connections closed at once when the listener is full (see `evict_longest_idle`).
+const EVICT_BATCH: usize = 64;
+
+/// Bounds for one listener, as values.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// From accept (or the end of the last response) to a complete request head.
+    pub head_deadline: Duration,
+    /// Requests answered at once, bodies included; more wait for a slot.
+    pub in_flight: usize,
+}
 
 /// Accepts until `stop`, then lets every open connection finish its request in flight (idle
 /// keep-alive connections close at once) and returns when all are closed.
-pub async fn serve(mut listener: LimitedListener, router: axum::Router, stop: CancellationToken) {
+pub async fn serve(
+    mut listener: LimitedListener,
+    router: axum::Router,
+    bounds: Bounds,
+    stop: CancellationToken,
+) {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(bounds.head_deadline);
     let graceful = GracefulShutdown::new();
+    let table = Arc::new(Connections::default());
+    let in_flight = Arc::new(Semaphore::new(bounds.in_flight));
     loop {
+        if listener.is_full() {
+            table.evict_longest_idle();
+        }
         let (stream, _) = tokio::select! {
             _ = stop.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
-        let service = TowerToHyperService::new(router.clone());
+        let conn_state = table.register();
+        let service = {
+            let (router, conn, in_flight) = (router.clone(), conn_state.clone(), in_flight.clone());
+            TowerToHyperService::new(tower::service_fn(move |req| {
+                answer(req, router.clone(), conn.clone(), in_flight.clone())
+            }))
+        };
         let conn = builder
             .serve_connection_with_upgrades(TokioIo::new(stream), service)
             .into_owned();
         let conn = graceful.watch(conn);
+        let (table, deadline) = (table.clone(), bounds.head_deadline);
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                // Timeouts, resets, malformed requests: the client's problem, not ours.
-                tracing::trace!(error = %e, "connection ended with an error");
+            tokio::select! {
+                ended = conn => if let Err(e) = ended {
+                    // Timeouts, resets, malformed requests: the client's problem, not ours.
+                    tracing::trace!(error = %e, "connection ended with an error");
+                },
+                // Dropping the connection closes its socket.
+                () = conn_state.idle_too_long(deadline) => {
+                    tracing::trace!("closed a connection that sent no request in time");
+                }
             }
+            table.remove(&conn_state);
         });
     }
     drop(listener);
     graceful.shutdown().await;
+}
+
+/// The listener's open connections, for eviction at the limit. One owner: this table.
+#[derive(Default)]
+struct Connections {
+    next: AtomicU64,
+    open: Mutex<HashMap<u64, Arc<ConnState>>>,
+}
+
+impl Connections {
+    fn register(&self) -> Arc<ConnState> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(ConnState {
+            id,
+            busy: AtomicUsize::new(0),
+            idle_since: Mutex::new(Instant::now()),
+            evict: Notify::new(),
+        });
+        self.lock().insert(id, state.clone());
+        state
+    }
+
+    fn remove(&self, state: &ConnState) {
+        self.lock().remove(&state.id);
+    }
+
+    /// Closes the [`EVICT_BATCH`] connections that have waited longest for a request. A batch,
+    /// not one: a burst of new connections waits in the kernel's queue while the listener is
+    /// full, and one eviction per accept drains it too slowly.
+    fn evict_longest_idle(&self) {
+        let open = self.lock();
+        let mut idle: Vec<&Arc<ConnState>> = open
+            .values()
+            .filter(|c| c.busy.load(Ordering::Acquire) == 0)
+            .collect();
+        idle.sort_by_key(|c| c.idle_since());
+        idle.truncate(EVICT_BATCH);
+        tracing::debug!(
+            open = open.len(),
+            closing = idle.len(),
+            "at the connection limit: closing the connections idle longest"
+        );
+        for victim in idle {
+            victim.evict.notify_one();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<ConnState>>> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One connection: how many of its requests are being answered, since when it has none.
+struct ConnState {
+    id: u64,
+    busy: AtomicUsize,
+    idle_since: Mutex<Instant>,
+    evict: Notify,
+}
+
+impl ConnState {
+    fn idle_since(&self) -> Instant {
+        *self.idle_since.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_idle_since(&self, at: Instant) {
+        *self.idle_since.lock().unwrap_or_else(|e| e.into_inner()) = at;
+    }
+
+    /// Returns once the connection has had no request for `deadline`, or is evicted while it
+    /// has none.
+    async fn idle_too_long(&self, deadline: Duration) {
+        loop {
+            let busy = self.busy.load(Ordering::Acquire) > 0;
+            let wait = if busy {
+                deadline
+            } else {
+                let idle = self.idle_since().elapsed();
+                if idle >= deadline {
+                    return;
+                }
+                deadline - idle
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.evict.notified() => {
+                    if self.busy.load(Ordering::Acquire) == 0 {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A request of a connection being answered; ends when its response body has been sent (or
+/// dropped).
+struct Busy {
+    conn: Arc<ConnState>,
+    _slot: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.conn.set_idle_since(Instant::now());
+        self.conn.busy.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One request: counted busy on its connection, holding an in-flight slot until its body is
+/// done.
+async fn answer(
+    req: hyper::Request<hyper::body::Incoming>,
+    router: axum::Router,
+    conn: Arc<ConnState>,
+    in_flight: Arc<Semaphore>,
+) -> Result<axum::response::Response, std::convert::Infallible> {
+    conn.busy.fetch_add(1, Ordering::AcqRel);
+    let mut busy = Busy { conn, _slot: None };
+    // The semaphore is never closed; without a slot the request is answered anyway.
+    busy._slot = in_flight.acquire_owned().await.ok();
+    let response = router.oneshot(req).await?;
+    Ok(response.map(|body| Body::new(Tracked { body, _busy: busy })))
+}
+
+/// A response body that keeps its request counted until it ends.
+struct Tracked {
+    body: Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
 }

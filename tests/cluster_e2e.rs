@@ -121,3 +121,73 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     drop(tmp);
     drop(net);
 }
+
+/// A new node pool: node 2 starts while the node it bootstraps from is not listening yet
+/// (node 1's Ferry comes back a second later). Node 2 is not ready until it has found node 1
+/// (it dials again within tens of milliseconds, not 10 s later), so the first pull after it
+/// turns ready (the kubelet's, held back by the ready taint until then) gets every blob
+/// from node 1 and asks the upstream only for the tag.
+#[test]
+fn a_node_started_before_its_peer_is_ready_only_once_it_has_found_it() {
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
+    let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
+    image.push(registry_addr, "team/app");
+    let reference = format!("{registry_addr}/team/app:v1");
+    let ready = |n: &Node| http_status(&format!("http://{}/readyz", n.metrics_addr())) == Some(200);
+
+    let mut node1 = Node::start(&mut net, dir, "n1", 11, registry_addr, &[]);
+    node1
+        .containerd
+        .pull("k8s.io", &reference, &node1.containerd.hosts_dir);
+    node1.ferry.stop();
+
+    let seed = format!("{}:{P2P_PORT}", node1.ip);
+    let node2 = Node::start(
+        &mut net,
+        dir,
+        "n2",
+        12,
+        registry_addr,
+        &["--bootstrap-peers", &seed],
+    );
+    wait_for("node 2's containerd to be reachable", || {
+        node2.metric("ferry_containerd_up") == 1
+    });
+    assert!(
+        !ready(&node2),
+        "ready with no peer while bootstrap names one"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    node1.spawn_ferry();
+    wait_for("node 2 ready", || ready(&node2));
+    assert!(node2.metric("ferry_peers_connected") >= 1);
+    wait_for("node 1 advertises the image again", || {
+        node1.metric("ferry_keys_advertised") >= (LAYERS + 3) as u64
+    });
+
+    let before = registry.requests().len();
+    node2
+        .containerd
+        .pull("k8s.io", &reference, &node2.containerd.hosts_dir);
+    assert_eq!(node2.image_digest(&reference), image.manifest);
+    let from_node2: Vec<_> = registry.requests()[before..]
+        .iter()
+        .filter(|(remote, _, _)| remote.starts_with(&format!("{}:", node2.ip)))
+        .map(|(_, method, uri)| (method.clone(), uri.clone()))
+        .filter(|(_, uri)| uri != "/v2/")
+        .collect();
+    assert_eq!(
+        from_node2,
+        [("HEAD".to_string(), "/v2/team/app/manifests/v1".to_string())],
+        "node 2 asked upstream for more than the tag"
+    );
+
+    drop(node2);
+    drop(node1);
+    drop(registry);
+    drop(tmp);
+    drop(net);
+}

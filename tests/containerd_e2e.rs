@@ -605,3 +605,116 @@ fn a_client_that_never_finishes_its_headers_is_disconnected() {
         "{answer}"
     );
 }
+
+/// A raw `GET path` on a new connection, answered within `within`: the status line, or why not.
+fn probe(addr: std::net::SocketAddr, path: &str, within: Duration) -> Result<String, String> {
+    let mut s = std::net::TcpStream::connect_timeout(&addr, within).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(within))
+        .map_err(|e| e.to_string())?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: ferry\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string())
+}
+
+/// Connections that connect and never send a byte (or stop after a response) cannot take
+/// every slot: 2,100 of them on the ops address and 2,100 on the mirror, more than a
+/// listener's 2,048 slots, and the kubelet's probes and containerd's requests are still
+/// answered at once; every idle one is closed after the head deadline (10 s), while a slow
+/// reader of a large blob keeps its connection and gets every byte.
+#[test]
+fn idle_connections_never_take_every_slot_and_probes_keep_answering() {
+    let w = World::with_layers(1, 48 * 1024 * 1024);
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).unwrap();
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
+    wait_for("ferry /readyz", || ferry.ready());
+    let layer = w.image.layers[0].clone();
+    let blob = format!("/v2/team/app/blobs/{layer}?{}", w.ns());
+
+    // A slow reader: asks for the 48 MiB layer and reads one byte, then nothing for 12 s.
+    let mut reader = std::net::TcpStream::connect(ferry.mirror).unwrap();
+    write!(reader, "GET {blob} HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+    let mut first = [0u8; 1];
+    reader.read_exact(&mut first).unwrap();
+
+    let idle: Vec<std::net::TcpStream> = [ferry.metrics, ferry.mirror]
+        .iter()
+        .flat_map(|addr| (0..2100).map(move |_| std::net::TcpStream::connect(addr).unwrap()))
+        .collect();
+    for (addr, path) in [
+        (ferry.metrics, "/healthz"),
+        (ferry.metrics, "/readyz"),
+        (ferry.mirror, "/v2/"),
+    ] {
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let status = probe(addr, path, Duration::from_secs(5));
+            eprintln!("{path}: {status:?} in {:?}", started.elapsed());
+            assert_eq!(
+                status.as_deref(),
+                Ok("HTTP/1.1 200 OK"),
+                "{path} with 4,200 idle connections held"
+            );
+        }
+    }
+    std::thread::sleep(ferry::server::HEAD_DEADLINE + Duration::from_secs(2));
+    let still_open = idle
+        .iter()
+        .filter(|s| {
+            s.set_nonblocking(true).unwrap();
+            let mut b = [0u8; 1];
+            matches!(&s.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
+        .count();
+    assert_eq!(
+        still_open, 0,
+        "idle connections left open after the deadline"
+    );
+
+    // The slow reader was never cut off: the rest of the headers and body, byte for byte.
+    reader
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut response = first.to_vec();
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut head: Option<(usize, usize)> = None; // (body start, content length)
+    loop {
+        let n = reader.read(&mut chunk).unwrap();
+        assert!(n > 0, "the slow reader's response ended early");
+        response.extend_from_slice(&chunk[..n]);
+        if head.is_none()
+            && let Some(end) = response.windows(4).position(|w| w == b"\r\n\r\n")
+        {
+            let text = String::from_utf8_lossy(&response[..end]).to_lowercase();
+            let length = text
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .expect("a content length");
+            head = Some((end + 4, length));
+        }
+        if let Some((start, length)) = head
+            && response.len() - start >= length
+        {
+            break;
+        }
+    }
+    let (start, want_body) = head.unwrap();
+    assert!(
+        want_body > 16 << 20,
+        "a body larger than the socket buffers"
+    );
+    assert!(response.starts_with(b"HTTP/1.1 200"));
+    let rest = &response[start..start + want_body];
+    assert_eq!(sha256_hex(rest), layer);
+}

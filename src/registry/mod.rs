@@ -7,6 +7,7 @@
 
 mod error;
 mod in_flight;
+pub mod integrity;
 mod local;
 pub mod mirror;
 pub mod peer;

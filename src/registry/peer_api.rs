@@ -26,6 +26,7 @@ use tokio::sync::watch;
 
 use super::ApiError;
 use super::in_flight::{self, InFlightBody};
+use super::integrity::{Check, Integrity};
 use super::local::Local;
 use super::peer::ClaimAnswer;
 use super::request::{self, Request};
@@ -54,6 +55,8 @@ pub struct PeerApiState {
     pub exposed: watch::Receiver<Exposed>,
     /// Claims and in-flight serving; `None` when coalescing is off.
     pub coalesce: Option<Arc<Coalescer>>,
+    /// Checks a blob against its digest before it is served (`None`: served unchecked).
+    pub integrity: Option<Arc<Integrity>>,
 }
 
 impl std::fmt::Debug for PeerApiState {
@@ -158,7 +161,16 @@ async fn answer(api: &PeerApi, req: Request<'_>) -> Result<Response, ApiError> {
                 .manifest(req.head, req.ns.as_deref(), &name, reference)
                 .await
         }
-        ApiPath::Blob { digest, .. } => api.local.blob(req.head, req.headers, &digest).await,
+        ApiPath::Blob { digest, .. } => {
+            // Never bytes that no longer match: the asking node goes elsewhere at once.
+            if let Some(integrity) = &api.state.integrity
+                && !req.head
+                && integrity.check(&digest).await == Check::Bad
+            {
+                return Err(ApiError::BlobUnknown);
+            }
+            api.local.blob(req.head, req.headers, &digest).await
+        }
         ApiPath::Upload { .. } | ApiPath::TagsList { .. } => Err(ApiError::Unsupported),
     }
 }

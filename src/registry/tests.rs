@@ -96,6 +96,7 @@ async fn call_at(
                 secret: None,
                 exposed,
                 coalesce: None,
+                integrity: None,
             })
         }
     };

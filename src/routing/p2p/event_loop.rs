@@ -21,9 +21,16 @@ use crate::metrics::Metrics;
 use crate::routing::Peer;
 use crate::routing::bootstrap::Bootstrap;
 
-/// While no peer is connected, the bootstrap sources are dialled again this often: the first
-/// node of a cluster finds the others as they come up.
-const REBOOTSTRAP_INTERVAL: Duration = Duration::from_secs(10);
+/// While no peer is connected, the bootstrap sources are dialled again, first after this
+/// long, then twice as long each time up to [`REBOOTSTRAP_MAX`]: a node of a new pool started
+/// a moment before the nodes it bootstraps from are listening finds them within a fraction of
+/// a second (a fixed 10 s left the kubelet's first pulls, right after the node turned ready,
+/// all going upstream), and the first node of a cluster still finds the others as they come.
+const REBOOTSTRAP_MIN: Duration = Duration::from_millis(50);
+const REBOOTSTRAP_MAX: Duration = Duration::from_secs(10);
+/// With peers connected, how often the loop looks whether it still has any (then the backoff
+/// starts again from [`REBOOTSTRAP_MIN`]).
+const CONNECTED_CHECK: Duration = Duration::from_secs(1);
 /// With peers connected, the DHT routing table is refreshed this often.
 const KAD_BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(300);
 /// Announcements (Kademlia queries) in flight at once. A node with 10,000 keys would
@@ -78,7 +85,9 @@ impl EventLoop {
     }
 
     pub(crate) async fn run(mut self, token: CancellationToken) {
-        let mut rebootstrap = tokio::time::interval(REBOOTSTRAP_INTERVAL);
+        let rebootstrap = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(rebootstrap);
+        let mut backoff = REBOOTSTRAP_MIN;
         let mut refresh = tokio::time::interval(KAD_BOOTSTRAP_INTERVAL);
         loop {
             tokio::select! {
@@ -88,10 +97,17 @@ impl EventLoop {
                     None => break,
                 },
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
-                _ = rebootstrap.tick() => {
-                    if self.status.connected.load(Ordering::Relaxed) == 0 {
+                () = &mut rebootstrap => {
+                    let next = if self.status.connected.load(Ordering::Relaxed) == 0 {
                         self.resolve_bootstrap();
-                    }
+                        let wait = backoff;
+                        backoff = (backoff * 2).min(REBOOTSTRAP_MAX);
+                        wait
+                    } else {
+                        backoff = REBOOTSTRAP_MIN;
+                        CONNECTED_CHECK
+                    };
+                    rebootstrap.as_mut().reset(tokio::time::Instant::now() + next);
                 }
                 _ = refresh.tick() => {
                     if self.status.connected.load(Ordering::Relaxed) > 0 {

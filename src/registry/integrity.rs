@@ -1,0 +1,208 @@
+//! A blob is checked against its digest before this node serves it to a peer. containerd
+//! verified it when it committed it, but the file may have changed since (bit rot, a bad disk,
+//! tampering): a peer that streams such bytes to containerd fails the asking node's pull,
+//! because containerd resumes the cut-off transfer from the next host with a Range and
+//! commits the mixed bytes. A blob that does not match is withdrawn from the DHT, counted,
+//! logged, and answered with a 404, so the asking node goes elsewhere at once.
+//!
+//! Each file is hashed once: the verdict is kept for the file it was reached on (device,
+//! inode, size, modification time), so a file that is rewritten is checked again, and
+//! concurrent requests for one unchecked blob share one hash.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::metrics::Metrics;
+use crate::oci::Digest;
+use crate::routing::{Router, digest_key};
+
+/// Verdicts kept at most (about 100 bytes each); beyond, they are forgotten and reached again.
+const MAX_VERDICTS: usize = 100_000;
+/// Read size while hashing.
+const READ_CHUNK: usize = 1 << 20;
+
+/// What a check found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    Good,
+    /// The file does not match its digest: never served.
+    Bad,
+    /// No file to check (the store reads it some other way): served as before.
+    Unknown,
+}
+
+/// The identity of a file's contents as far as the file system tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i64,
+}
+
+pub struct Integrity {
+    content_dir: PathBuf,
+    /// To withdraw what this node must not serve.
+    router: Arc<dyn Router>,
+    metrics: Arc<Metrics>,
+    verdicts: Mutex<HashMap<Digest, (FileId, bool)>>,
+    /// One hash per digest at a time; entries go when their hash is done.
+    hashing: Mutex<HashMap<Digest, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl std::fmt::Debug for Integrity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Integrity")
+            .field("content_dir", &self.content_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Integrity {
+    pub fn new(content_dir: PathBuf, router: Arc<dyn Router>, metrics: Arc<Metrics>) -> Self {
+        Integrity {
+            content_dir,
+            router,
+            metrics,
+            verdicts: Mutex::new(HashMap::new()),
+            hashing: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether the blob's file matches `digest`, hashing it unless it was already checked.
+    pub async fn check(&self, digest: &Digest) -> Check {
+        let path = crate::store::containerd::files::blob_path(&self.content_dir, digest);
+        let Some(id) = file_id(&path) else {
+            return Check::Unknown;
+        };
+        if let Some(check) = self.known(digest, id) {
+            return check;
+        }
+        let turn = {
+            let mut hashing = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
+            hashing.entry(digest.clone()).or_default().clone()
+        };
+        let check = {
+            let _mine = turn.lock().await;
+            match self.known(digest, id) {
+                Some(check) => check,
+                None => self.hash(digest, &path, id).await,
+            }
+        };
+        let mut hashing = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
+        if Arc::strong_count(&turn) <= 2 {
+            hashing.remove(digest);
+        }
+        check
+    }
+
+    fn known(&self, digest: &Digest, id: FileId) -> Option<Check> {
+        let verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        match verdicts.get(digest) {
+            Some((seen, good)) if *seen == id => Some(if *good { Check::Good } else { Check::Bad }),
+            _ => None,
+        }
+    }
+
+    async fn hash(&self, digest: &Digest, path: &Path, id: FileId) -> Check {
+        let (p, d) = (path.to_path_buf(), digest.clone());
+        let matched = tokio::task::spawn_blocking(move || hash_file(&p, &d)).await;
+        let good = match matched {
+            Ok(Ok(good)) => good,
+            // Unreadable or gone meanwhile: not a verdict on the bytes.
+            _ => return Check::Unknown,
+        };
+        // Changed while it was read: the verdict is about neither version.
+        if file_id(path) != Some(id) {
+            return Check::Unknown;
+        }
+        {
+            let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+            if verdicts.len() >= MAX_VERDICTS {
+                verdicts.clear();
+            }
+            verdicts.insert(digest.clone(), (id, good));
+        }
+        if good {
+            return Check::Good;
+        }
+        self.metrics.corrupt_blobs.inc();
+        tracing::error!(
+            %digest,
+            path = %path.display(),
+            "a blob in containerd's content store does not match its digest (bit rot, a bad disk, tampering?): not served to peers, withdrawn from the peer network; `ctr content rm` it and pull again"
+        );
+        if let Err(e) = self.router.withdraw(vec![digest_key(digest)]).await {
+            tracing::warn!(%digest, error = %e, "could not withdraw a corrupt blob");
+        }
+        Check::Bad
+    }
+}
+
+fn file_id(path: &Path) -> Option<FileId> {
+    let m = std::fs::metadata(path).ok()?;
+    Some(FileId {
+        dev: m.dev(),
+        ino: m.ino(),
+        size: m.size(),
+        mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+    })
+}
+
+fn hash_file(path: &Path, digest: &Digest) -> std::io::Result<bool> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = digest.hasher();
+    let mut buf = vec![0u8; READ_CHUNK];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            return Ok(hasher.matches(digest));
+        }
+        hasher.update(&buf[..n]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::memory::MemoryNetwork;
+
+    fn setup(bytes: &[u8]) -> (tempfile::TempDir, Digest, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let digest = Digest::sha256_of(bytes);
+        let path = crate::store::containerd::files::blob_path(tmp.path(), &digest);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, bytes).unwrap();
+        (tmp, digest, path)
+    }
+
+    #[tokio::test]
+    async fn a_blob_is_hashed_once_and_again_only_when_its_file_changes() {
+        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let (tmp, digest, path) = setup(&bytes);
+        let me = crate::routing::Peer {
+            id: "a".into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+        };
+        let router: Arc<dyn Router> = Arc::new(MemoryNetwork::new().node(me));
+        let metrics = Arc::new(Metrics::new());
+        let check = Integrity::new(tmp.path().to_path_buf(), router, metrics.clone());
+        assert_eq!(check.check(&digest).await, Check::Good);
+        assert_eq!(check.check(&digest).await, Check::Good, "remembered");
+
+        // 16 KiB overwritten in the middle: a new modification time, checked again.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut rotten = bytes.clone();
+        rotten[1_500_000..1_500_000 + 16_384].fill(0xAA);
+        std::fs::write(&path, &rotten).unwrap();
+        assert_eq!(check.check(&digest).await, Check::Bad);
+        assert_eq!(check.check(&digest).await, Check::Bad, "remembered too");
+        assert_eq!(metrics.corrupt_blobs.get(), 1, "counted once");
+
+        let missing = Digest::sha256_of(b"not here");
+        assert_eq!(check.check(&missing).await, Check::Unknown);
+    }
+}
