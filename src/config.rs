@@ -550,9 +550,27 @@ pub fn log_filter(level: &str) -> String {
     }
 }
 
+/// A level name, or a filter directive (`info,ferry=debug`). A bare word that is not a level
+/// would parse as a filter for a target of that name and silence every line (`verbose`,
+/// `warning`): refused, except `warning`, taken as `warn`.
 fn log_level(v: &str) -> Result<String, ConfigError> {
-    tracing_subscriber::EnvFilter::try_new(v)
-        .map(|_| v.to_string())
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    let v = match v.trim().to_ascii_lowercase().as_str() {
+        "warning" => "warn".to_string(),
+        level if LEVELS.contains(&level) => level.to_string(),
+        _ if !v.contains('=') && !v.contains(',') => {
+            return Err(err(
+                "log-level",
+                format!(
+                    "{v:?}: expected one of {}, or a filter such as info,ferry=debug",
+                    LEVELS.join(", ")
+                ),
+            ));
+        }
+        _ => v.to_string(),
+    };
+    tracing_subscriber::EnvFilter::try_new(&v)
+        .map(|_| v.clone())
         .map_err(|e| err("log-level", format!("{v:?}: {e}")))
 }
 

@@ -149,3 +149,117 @@ fn every_value_is_documented_in_the_chart_readme() {
         );
     }
 }
+
+/// Every object `helm template` renders (a real Helm 3 binary: `FERRY_HELM`, installed by
+/// `scripts/test.sh`), as JSON, with `--set` values.
+fn render(set: &[&str]) -> Vec<serde_json::Value> {
+    let helm = std::env::var("FERRY_HELM").unwrap_or_else(|_| {
+        panic!("FERRY_HELM must name a Helm 3 binary: ./scripts/test.sh installs one (scripts/lib.sh ensure_helm_binary)")
+    });
+    let mut cmd = Command::new(helm);
+    cmd.args(["template", "ferry"]).arg(chart());
+    for s in set {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "helm template: {out:?}");
+    let yaml_to_json = "import sys, json, yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))";
+    let mut py = Command::new("python3")
+        .args(["-c", yaml_to_json])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    py.stdin.take().unwrap().write_all(&out.stdout).unwrap();
+    let json = py.wait_with_output().unwrap();
+    assert!(json.status.success(), "yaml: {json:?}");
+    serde_json::from_slice(&json.stdout).unwrap()
+}
+
+fn ferry_daemonset(objects: &[serde_json::Value]) -> &serde_json::Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == "DaemonSet" && o["metadata"]["name"] == "ferry")
+        .unwrap_or_else(|| panic!("no ferry DaemonSet in {objects:?}"))
+}
+
+/// containerd recreates its socket when it restarts or is upgraded: a bind mount of the socket
+/// file keeps pointing at the old one, so the socket's directory is mounted. A missing
+/// containerd config must not become a directory the kubelet creates in its place (that
+/// stops containerd's next start): the config's directory is mounted, never the file, and
+/// nothing is created on the node but the hosts dir, the data dir and their parents.
+#[test]
+fn the_chart_mounts_containerd_by_directory_and_never_creates_its_config() {
+    for set in [
+        &[][..],
+        &[
+            "containerd.socket=/run/k3s/containerd/containerd.sock",
+            "containerd.config=/var/lib/rancher/k3s/agent/etc/containerd/config.toml",
+            "containerd.hostsDir=/var/lib/rancher/k3s/agent/etc/containerd/certs.d",
+        ][..],
+    ] {
+        let objects = render(set);
+        let pod = &ferry_daemonset(&objects)["spec"]["template"]["spec"];
+        let volumes = pod["volumes"].as_array().unwrap();
+        let host_paths: Vec<(String, String)> = volumes
+            .iter()
+            .filter_map(|v| {
+                let hp = &v["hostPath"];
+                Some((
+                    hp["path"].as_str()?.to_string(),
+                    hp["type"].as_str().unwrap_or("").to_string(),
+                ))
+            })
+            .collect();
+        let socket = set.first().map_or("/run/containerd/containerd.sock", |s| {
+            s.split('=').nth(1).unwrap()
+        });
+        let config = set.get(1).map_or("/etc/containerd/config.toml", |s| {
+            s.split('=').nth(1).unwrap()
+        });
+        let dir_of = |p: &str| p.rsplit_once('/').unwrap().0.to_string();
+        for (path, kind) in &host_paths {
+            assert_ne!(
+                kind, "Socket",
+                "{set:?}: the socket file is mounted: {host_paths:?}"
+            );
+            assert_ne!(path, socket, "{set:?}: {host_paths:?}");
+            assert_ne!(
+                path, config,
+                "{set:?}: the config file is mounted: {host_paths:?}"
+            );
+            assert!(
+                !kind.is_empty(),
+                "{set:?}: {path} has no type (the kubelet creates a directory)"
+            );
+        }
+        assert!(
+            host_paths.contains(&(dir_of(socket), "Directory".to_string())),
+            "{set:?}: {host_paths:?}"
+        );
+        assert!(
+            host_paths.iter().any(|(p, _)| *p == dir_of(config)),
+            "{set:?}: {host_paths:?}"
+        );
+        // The container reaches both at the paths Ferry is told.
+        let container = &pod["containers"][0];
+        let args = container["args"].to_string();
+        assert!(
+            args.contains(&format!("--containerd-socket={socket}")),
+            "{args}"
+        );
+        assert!(
+            args.contains(&format!("--containerd-config={config}")),
+            "{args}"
+        );
+        let mounts: Vec<&str> = container["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|m| m["mountPath"].as_str())
+            .collect();
+        assert!(mounts.contains(&dir_of(socket).as_str()), "{mounts:?}");
+        assert!(mounts.contains(&dir_of(config).as_str()), "{mounts:?}");
+    }
+}

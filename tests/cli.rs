@@ -214,6 +214,14 @@ fn bad_values_exit_64_with_one_line_naming_the_key() {
             vec![("FERRY_RESOLVE_LATEST", "false")],
             "resolve-latest",
         ),
+        // Bare words that are no level used to be taken as a target filter: no line at all.
+        (vec!["run", "--log-level", "verbose"], vec![], "log-level"),
+        (vec!["run", "--log-level", "inf"], vec![], "log-level"),
+        (
+            vec!["run", "--registries", "https://docker.io"],
+            vec![],
+            "registries",
+        ),
     ];
     for (args, env, key) in cases {
         let out = ferry(&args, &env);
@@ -221,6 +229,44 @@ fn bad_values_exit_64_with_one_line_naming_the_key() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
         assert!(stderr.contains(&format!("{key}:")), "{args:?}: {stderr}");
+        assert!(!stderr.contains("port must be"), "{args:?}: {stderr}");
+    }
+}
+
+/// `warning` (what operators of other tools type) logs warnings: it used to be taken as a
+/// filter for a target named "warning", and Ferry then logged nothing at all.
+#[test]
+fn log_level_warning_logs_warnings() {
+    for level in ["warning", "WARN"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (mirror, metrics, peer) = (
+            support::free_addr(),
+            support::free_addr(),
+            support::free_addr(),
+        );
+        let mut cmd = Command::new(Ferry::bin());
+        cmd.args(["run", "--log-level", level, "--hosts-dir"])
+            .arg(tmp.path().join("certs.d"))
+            .args(["--mirror-addr", &mirror.to_string()])
+            .args(["--metrics-addr", &metrics.to_string()])
+            .args(["--peer-addr", &peer.to_string()])
+            .args(["--p2p-addr", "127.0.0.1:0", "--advertise-addr", "127.0.0.1"])
+            .args(["--containerd-socket", "/nonexistent/containerd.sock"])
+            .args(["--containerd-config", "/nonexistent/containerd.toml"])
+            .arg("--data-dir")
+            .arg(tmp.path().join("data"));
+        let log = tmp.path().join("ferry.log");
+        let run = support::Proc::spawn(cmd, log.clone());
+        // Without a cluster secret, Ferry warns at start.
+        support::wait_for("the no-secret warning", || {
+            std::fs::read_to_string(&log).is_ok_and(|t| t.contains("NO CLUSTER SECRET"))
+        });
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(
+            !text.contains(" INFO "),
+            "{level}: info lines at warn level: {text}"
+        );
+        drop(run);
     }
 }
 
@@ -396,4 +442,44 @@ fn one_unwritable_registry_directory_never_stops_the_others() {
     let out = ferry(&["cleanup", "--hosts-dir", dir], &[]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert_eq!(snapshot(&hosts), before, "restored after run too");
+}
+
+/// On a host where `/etc/containerd/certs.d` does not exist yet, the unit must still start.
+/// No systemd runs as PID 1 here, so this is checked against systemd's documented behaviour:
+/// systemd.exec(5), `ReadWritePaths=`: a listed path that does not exist makes the namespace
+/// setup fail (the unit fails with 226/NAMESPACE) unless it is prefixed with `-` (then it is
+/// skipped, and Ferry could not write there at all under `ProtectSystem=strict`);
+/// `StateDirectory=` directories are created before the namespace is set up;
+/// systemd.service(5): an `ExecStartPre=` command prefixed with `+` runs with full privileges,
+/// outside the sandbox, and each command gets its namespace when it starts. So every
+/// `ReadWritePaths=` entry is either a `StateDirectory=` or created by a `+` `ExecStartPre=`.
+#[test]
+fn the_systemd_unit_starts_on_a_host_without_the_hosts_dir() {
+    let unit =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/ferry.service"))
+            .unwrap();
+    let value = |key: &str| -> Vec<String> {
+        unit.lines()
+            .filter_map(|l| l.strip_prefix(&format!("{key}=")))
+            .flat_map(|v| v.split_whitespace().map(str::to_string))
+            .collect()
+    };
+    let state: Vec<String> = value("StateDirectory")
+        .iter()
+        .map(|d| format!("/var/lib/{d}"))
+        .collect();
+    let pre: Vec<&str> = unit
+        .lines()
+        .filter_map(|l| l.strip_prefix("ExecStartPre=+/bin/mkdir -p "))
+        .collect();
+    let paths = value("ReadWritePaths");
+    assert!(paths.contains(&"/etc/containerd/certs.d".to_string()));
+    for path in paths {
+        assert!(
+            state.contains(&path) || pre.iter().any(|p| p.split_whitespace().any(|q| q == path)),
+            "{path}: in ReadWritePaths= but neither a StateDirectory= nor created by a privileged ExecStartPre="
+        );
+    }
+    // The sandbox this is about; ExecStartPre= always runs before ExecStart=.
+    assert!(unit.contains("ProtectSystem=strict"));
 }

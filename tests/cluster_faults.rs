@@ -322,7 +322,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     tc(&["qdisc", "del", "dev", "eth0", "root"]);
     n3.start_ferry();
 
-    // containerd restarted under node 2's Ferry: 404s meanwhile, then it re-walks the store
+    // containerd stopped under node 2's Ferry: 404s meanwhile, then it re-walks the store
     // and serves (and advertises) again.
     n2.containerd.stop();
     wait_for("node 2 notices containerd is gone", || {
@@ -331,6 +331,12 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     let path1 = format!("/v2/team/app/blobs/{layer1}");
     let signed = || Some(token::sign(&secret(), "GET", &path1));
     assert_eq!(peer_get(&n2, &path1, signed()).0, 404);
+    // Down for longer than the grace (10 s): everything node 2 advertised is withdrawn, so
+    // other nodes stop being sent to a node that cannot read its store; advertised again
+    // below, once containerd is back.
+    wait_for("node 2 withdraws what it advertised", || {
+        n2.metric("ferry_keys_advertised") == 0
+    });
     n2.containerd.restart();
     wait_for("node 2 serves again after containerd's restart", || {
         peer_get(&n2, &path1, signed()).0 == 200
@@ -354,7 +360,10 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     );
     assert_eq!(
         upstream_blob_gets_from(&registry, mark, &n2).len(),
-        LAYERS + 1
+        LAYERS + 1,
+        "{:?} (node 2 is {})",
+        &registry.requests()[mark..],
+        n2.ip
     );
     for digest in image.digests() {
         assert!(n2.committed_matches(&digest));

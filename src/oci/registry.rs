@@ -75,6 +75,11 @@ impl RegistryFilters {
 
 /// `host[:port]`: also the name of its directory in the hosts dir, so no path tricks.
 pub fn registry_host(host: &str) -> Result<(), &'static str> {
+    if host.contains("://") {
+        return Err(
+            "a registry is a host with an optional port, without a scheme: docker.io, not https://docker.io",
+        );
+    }
     let (name, port) = match host.rsplit_once(':') {
         Some((n, p)) => (n, Some(p)),
         None => (host, None),

@@ -26,6 +26,10 @@ use crate::store::{ContentStore, ImageRecord};
 const DEBOUNCE: Duration = Duration::from_millis(200);
 const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(10);
+/// containerd unreachable for longer than this (a restart takes a few seconds): everything
+/// this node advertised is withdrawn and no longer served to peers, so other nodes stop being
+/// sent to a node that cannot read its store; it is advertised again once containerd is back.
+pub const WITHDRAW_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct SyncConfig {
@@ -63,14 +67,20 @@ pub async fn run(
     };
     let mut advertised = BTreeSet::new();
     let mut retry = RETRY_MIN;
+    let mut unreachable_since: Option<std::time::Instant> = None;
     loop {
         let changes = match store.changes().await {
             Ok(c) => {
                 retry = RETRY_MIN;
+                unreachable_since = None;
                 Some(c)
             }
             Err(e) => {
                 tracing::debug!(error = %e, "cannot follow store events yet; retrying");
+                let since = *unreachable_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= WITHDRAW_GRACE {
+                    sync.withdraw_all(&mut advertised).await;
+                }
                 None
             }
         };
@@ -146,6 +156,28 @@ impl Sync<'_> {
         }
         *advertised = keys;
         self.metrics.keys_advertised.set(advertised.len() as i64);
+    }
+}
+
+impl Sync<'_> {
+    /// containerd has been unreachable for [`WITHDRAW_GRACE`]: stop serving and advertising
+    /// everything (the reconcile after it is back advertises it again). Records other nodes
+    /// already hold expire on their own; until then this node answers them 404 at once.
+    async fn withdraw_all(&self, advertised: &mut BTreeSet<String>) {
+        if advertised.is_empty() {
+            return;
+        }
+        tracing::warn!(
+            count = advertised.len(),
+            grace_s = WITHDRAW_GRACE.as_secs(),
+            "containerd unreachable: withdrawing what this node advertised until it is back"
+        );
+        self.exposed.send_replace(Arc::new(BTreeSet::new()));
+        let all: Vec<String> = std::mem::take(advertised).into_iter().collect();
+        if let Err(e) = self.router.withdraw(all).await {
+            tracing::warn!(error = %e, "withdraw failed");
+        }
+        self.metrics.keys_advertised.set(0);
     }
 }
 
