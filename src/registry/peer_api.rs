@@ -154,25 +154,34 @@ async fn answer(api: &PeerApi, req: Request<'_>) -> Result<Response, ApiError> {
             _ => ApiError::BlobUnknown,
         });
     }
-    match req.path {
+    match &req.path {
         ApiPath::Base => Ok(Request::base()),
         ApiPath::Manifest { name, reference } => {
             api.local
-                .manifest(req.head, req.ns.as_deref(), &name, reference)
+                .manifest(req.head, req.ns.as_deref(), name, reference.clone())
                 .await
         }
-        ApiPath::Blob { digest, .. } => {
-            // Never bytes that no longer match: the asking node goes elsewhere at once.
-            if let Some(integrity) = &api.state.integrity
-                && !req.head
-                && integrity.check(&digest).await == Check::Bad
-            {
-                return Err(ApiError::BlobUnknown);
-            }
-            api.local.blob(req.head, req.headers, &digest).await
-        }
+        ApiPath::Blob { digest, .. } => stored_blob(api, &req, digest).await,
         ApiPath::Upload { .. } | ApiPath::TagsList { .. } => Err(ApiError::Unsupported),
     }
+}
+
+/// A blob from this node's store, unless its file no longer matches its digest
+/// (`integrity.rs`): then a 404, and the asking node goes elsewhere at once. Also on the
+/// follow path: a leader's lease outlives its download, and a follower that comes after the
+/// commit is served the stored blob.
+async fn stored_blob(
+    api: &PeerApi,
+    req: &Request<'_>,
+    digest: &Digest,
+) -> Result<Response, ApiError> {
+    if let Some(integrity) = &api.state.integrity
+        && !req.head
+        && integrity.check(digest).await == Check::Bad
+    {
+        return Err(ApiError::BlobUnknown);
+    }
+    api.local.blob(req.head, req.headers, digest).await
 }
 
 fn by_digest(path: &ApiPath) -> Option<&Digest> {
@@ -201,7 +210,7 @@ async fn in_flight(
                     .manifest(req.head, None, name, reference.clone())
                     .await
             }
-            _ => api.local.blob(req.head, req.headers, digest).await,
+            _ => stored_blob(api, req, digest).await,
         }
     };
     if let Ok(response) = complete().await {

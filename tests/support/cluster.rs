@@ -161,6 +161,18 @@ impl Node {
                 self.name
             );
         }
+        // The files go when containerd's garbage collector runs, a moment later. Until then a
+        // new pull finds them (containerd's default content sharing policy, "shared", takes a
+        // blob whose file exists without fetching it), and would fetch nothing.
+        let content = self.containerd.content_dir();
+        wait_for("containerd to delete the forgotten blobs' files", || {
+            digests.iter().all(|d| {
+                !content
+                    .join("blobs/sha256")
+                    .join(d.trim_start_matches("sha256:"))
+                    .exists()
+            })
+        });
     }
 
     /// The blob as containerd committed it on this node matches its digest.
