@@ -18,6 +18,6 @@ cargo fmt --all -- --check
 echo "==> cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
 echo "==> cargo test"
-FERRY_FUZZ_SECONDS="${FERRY_FUZZ_SECONDS:-60}" cargo test --locked --all-targets
+FERRY_FUZZ_SECONDS="${FERRY_FUZZ_SECONDS:-60}" cargo test --locked --all-targets --no-fail-fast
 cargo test --locked --doc
 echo "==> all tests passed"

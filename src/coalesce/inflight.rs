@@ -204,6 +204,7 @@ impl Ingest {
             data,
             committed,
             pos: offset,
+            longest: 0,
             total: self.total,
             idle_timeout,
             last_progress: Instant::now(),
@@ -256,6 +257,8 @@ struct Reader {
     data: PathBuf,
     committed: PathBuf,
     pos: u64,
+    /// The longest the file has been: a file shorter than that was restarted.
+    longest: u64,
     total: u64,
     idle_timeout: Duration,
     last_progress: Instant,
@@ -273,17 +276,27 @@ impl Reader {
             let n = self.file.read(&mut self.buf[..want]).await?;
             if n > 0 {
                 self.pos += n as u64;
+                // Bytes read there: the file was at least this long.
+                self.longest = self.longest.max(self.pos);
                 self.last_progress = Instant::now();
                 return Ok(Some(Bytes::copy_from_slice(&self.buf[..n])));
             }
-            // At the end of what has landed: is the download still going?
+            // At the end of what has landed (or before the asked offset has landed: a
+            // follower resuming at an offset the leader has not reached yet): is the download
+            // still going?
             let len = self.file.metadata().await?.len();
-            if len < self.pos {
+            if len < self.longest {
                 return Err(std::io::Error::other(
                     "the download was truncated (containerd restarted it)",
                 ));
             }
-            if len == self.pos && !self.data.exists() && !self.committed.exists() {
+            if len > self.longest {
+                self.longest = len;
+                if len > self.pos {
+                    self.last_progress = Instant::now();
+                }
+            }
+            if len <= self.pos && !self.data.exists() && !self.committed.exists() {
                 return Err(std::io::Error::other(
                     "the download was aborted before it completed",
                 ));
@@ -379,6 +392,29 @@ mod tests {
             .unwrap();
         let got = all(got).await.unwrap();
         assert_eq!(&got[..], &bytes[4000..]);
+    }
+
+    /// A follower resuming at an offset the leader's download has not reached yet waits for
+    /// it (the reader used to take the shorter file for a restarted download and cut at once,
+    /// and containerd gives up after a few cuts without progress).
+    #[tokio::test]
+    async fn an_offset_not_landed_yet_is_waited_for() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (bytes, digest) = blob(20_000);
+        let dir = ingest(tmp.path(), &digest, bytes.len(), &bytes[..3000]);
+        let found = Ingest::find(tmp.path(), "k8s.io", &digest).unwrap();
+        let committed = tmp.path().join("blobs/sha256").join(digest.hex());
+        let stream = found
+            .read_from(12_000, committed, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let reader = tokio::spawn(all(stream));
+        for part in bytes[3000..].chunks(2000) {
+            tokio::time::sleep(Duration::from_millis(15)).await;
+            append(&dir.join("data"), part);
+        }
+        let got = reader.await.unwrap().unwrap();
+        assert_eq!(&got[..], &bytes[12_000..]);
     }
 
     #[tokio::test]

@@ -29,7 +29,10 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 /// containerd unreachable for longer than this (a restart takes a few seconds): everything
 /// this node advertised is withdrawn and no longer served to peers, so other nodes stop being
 /// sent to a node that cannot read its store; it is advertised again once containerd is back.
-pub const WITHDRAW_GRACE: Duration = Duration::from_secs(10);
+/// Not shorter: a containerd busy unpacking a storm's layers on a loaded node can time out
+/// Ferry's calls for several seconds in a row (7 s seen in the storm tests), and that is no
+/// reason to withdraw.
+pub const WITHDRAW_GRACE: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub struct SyncConfig {
