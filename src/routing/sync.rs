@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::oci::Digest;
 use crate::oci::manifest::MAX_MANIFEST_BYTES;
 use crate::oci::registry::{Registries, RegistryFilters};
-use crate::store::{ContentStore, ImageRecord};
+use crate::store::{ContentStore, ImageRecord, StoreError};
 
 /// Events arrive in bursts (one pull creates content, then the image); wait this long for the
 /// burst to end before walking the store.
@@ -75,19 +75,24 @@ pub async fn run(
         let changes = match store.changes().await {
             Ok(c) => {
                 retry = RETRY_MIN;
-                unreachable_since = None;
                 Some(c)
             }
             Err(e) => {
                 tracing::debug!(error = %e, "cannot follow store events yet; retrying");
-                let since = *unreachable_since.get_or_insert_with(std::time::Instant::now);
-                if since.elapsed() >= WITHDRAW_GRACE {
-                    sync.withdraw_all(&mut advertised).await;
-                }
                 None
             }
         };
-        sync.reconcile(&mut advertised).await;
+        // Reachable means the store can be listed: following its events can fail on its own
+        // (a subscription timing out on a loaded node) while everything else works, and that
+        // must not withdraw anything.
+        if sync.reconcile(&mut advertised).await {
+            unreachable_since = None;
+        } else {
+            let since = *unreachable_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() >= WITHDRAW_GRACE {
+                sync.withdraw_all(&mut advertised).await;
+            }
+        }
         let Some(mut changes) = changes else {
             tokio::select! {
                 _ = token.cancelled() => return,
@@ -101,7 +106,9 @@ pub async fn run(
         loop {
             tokio::select! {
                 _ = token.cancelled() => return,
-                _ = tick.tick() => sync.reconcile(&mut advertised).await,
+                _ = tick.tick() => {
+                    sync.reconcile(&mut advertised).await;
+                }
                 event = changes.next() => {
                     if event.is_none() {
                         tracing::debug!("store events ended; reconnecting");
@@ -129,18 +136,27 @@ struct Sync<'a> {
 
 impl Sync<'_> {
     /// Makes the router's view match the store: advertise new keys, withdraw gone ones. If the
-    /// store cannot be walked (containerd down), nothing changes: records expire on their own.
-    async fn reconcile(&self, advertised: &mut BTreeSet<String>) {
+    /// store cannot be listed (containerd down), nothing changes and this says so (`false`).
+    async fn reconcile(&self, advertised: &mut BTreeSet<String>) -> bool {
         let Ok(images) = self.store.images().await else {
-            return;
+            return false;
         };
-        let keys = inventory(
+        let keys = match inventory(
             self.store,
             &images,
             &self.config.registries,
             &self.config.filters,
         )
-        .await;
+        .await
+        {
+            Ok(keys) => keys,
+            // A lookup that failed (containerd busy or going away) says nothing about what is
+            // there: change nothing rather than withdraw what could not be looked at.
+            Err(e) => {
+                tracing::debug!(error = %e, "store walk interrupted; nothing changed");
+                return false;
+            }
+        };
         let added: Vec<String> = keys.difference(advertised).cloned().collect();
         let removed: Vec<String> = advertised.difference(&keys).cloned().collect();
         // Withdrawn keys stop being served before anything else happens.
@@ -159,6 +175,7 @@ impl Sync<'_> {
         }
         *advertised = keys;
         self.metrics.keys_advertised.set(advertised.len() as i64);
+        true
     }
 }
 
@@ -185,13 +202,14 @@ impl Sync<'_> {
 }
 
 /// Every key the store can serve for images of mirrored registries: each tag, and every
-/// digest (index, manifests, config, layers) that is present in the store.
+/// digest (index, manifests, config, layers) that is present in the store. An error when a
+/// lookup fails for any reason but absence.
 pub async fn inventory(
     store: &dyn ContentStore,
     images: &[ImageRecord],
     registries: &Registries,
     filters: &RegistryFilters,
-) -> BTreeSet<String> {
+) -> Result<BTreeSet<String>, StoreError> {
     let mut keys = BTreeSet::new();
     let mut visited = BTreeSet::new();
     for image in images {
@@ -205,12 +223,25 @@ pub async fn inventory(
         if !registries.includes(&name.registry) || !filters.allows(shown) {
             continue;
         }
-        let mut present = walk(store, &image.target.digest, &mut visited, &mut keys).await;
+        let mut present = walk(store, &image.target.digest, &mut visited, &mut keys).await?;
         if let (Some(tag), true) = (&name.tag, present.remove(&image.target.digest)) {
             keys.insert(tag_key(&name.registry, &name.repository, tag));
         }
     }
-    keys
+    Ok(keys)
+}
+
+/// Whether a digest is in the store: `Ok(None)` when it is absent, an error when the store
+/// could not say.
+async fn present(
+    store: &dyn ContentStore,
+    digest: &Digest,
+) -> Result<Option<crate::store::Descriptor>, StoreError> {
+    match store.descriptor(digest).await {
+        Ok(desc) => Ok(Some(desc)),
+        Err(StoreError::NotFound) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Adds every present digest reachable from `root` to `keys`; returns the ones found now.
@@ -219,35 +250,35 @@ async fn walk(
     root: &Digest,
     visited: &mut BTreeSet<Digest>,
     keys: &mut BTreeSet<String>,
-) -> BTreeSet<Digest> {
-    let mut present = BTreeSet::new();
+) -> Result<BTreeSet<Digest>, StoreError> {
+    let mut found = BTreeSet::new();
     let mut manifests = vec![root.clone()];
     while let Some(digest) = manifests.pop() {
         if !visited.insert(digest.clone()) {
             if keys.contains(&digest_key(&digest)) {
-                present.insert(digest);
+                found.insert(digest);
             }
             continue;
         }
-        let Ok(desc) = store.descriptor(&digest).await else {
+        let Some(desc) = present(store, &digest).await? else {
             continue;
         };
         keys.insert(digest_key(&digest));
-        present.insert(digest.clone());
+        found.insert(digest.clone());
         if desc.size > MAX_MANIFEST_BYTES {
             continue;
         }
-        let Some(children) = read_children(store, &digest).await else {
+        let Some(children) = read_children(store, &digest).await? else {
             continue;
         };
         manifests.extend(children.manifests);
         for blob in children.blobs {
-            if visited.insert(blob.clone()) && store.descriptor(&blob).await.is_ok() {
+            if visited.insert(blob.clone()) && present(store, &blob).await?.is_some() {
                 keys.insert(digest_key(&blob));
             }
         }
     }
-    present
+    Ok(found)
 }
 
 #[derive(Deserialize)]
@@ -269,12 +300,25 @@ struct Children {
     blobs: Vec<Digest>,
 }
 
-async fn read_children(store: &dyn ContentStore, digest: &Digest) -> Option<Children> {
-    let stream = store.open(digest, None).await.ok()?;
-    let chunks: Vec<bytes::Bytes> = futures::TryStreamExt::try_collect(stream).await.ok()?;
-    let links: Links = serde_json::from_slice(&chunks.concat()).ok()?;
+/// The children of a manifest or index: `Ok(None)` for a blob that is not one (or is gone),
+/// an error when the store could not be read.
+async fn read_children(
+    store: &dyn ContentStore,
+    digest: &Digest,
+) -> Result<Option<Children>, StoreError> {
+    let stream = match store.open(digest, None).await {
+        Ok(stream) => stream,
+        Err(StoreError::NotFound) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let chunks: Vec<bytes::Bytes> = futures::TryStreamExt::try_collect(stream)
+        .await
+        .map_err(StoreError::Io)?;
+    let Ok(links) = serde_json::from_slice::<Links>(&chunks.concat()) else {
+        return Ok(None);
+    };
     let parse = |l: Link| l.digest.parse::<Digest>().ok();
-    Some(Children {
+    Ok(Some(Children {
         manifests: links.manifests.into_iter().filter_map(parse).collect(),
         blobs: links
             .config
@@ -282,7 +326,7 @@ async fn read_children(store: &dyn ContentStore, digest: &Digest) -> Option<Chil
             .chain(links.layers)
             .filter_map(parse)
             .collect(),
-    })
+    }))
 }
 
 /// `<registry>/<repository>[:<tag>][@<digest>]`, as containerd names images.
@@ -362,7 +406,8 @@ mod tests {
             &Registries::All,
             &RegistryFilters::default(),
         )
-        .await;
+        .await
+        .unwrap();
         let expected: BTreeSet<String> = [
             index.to_string(),
             manifest.to_string(),
@@ -376,12 +421,14 @@ mod tests {
         assert!(
             inventory(&store, &images, &only_ghcr, &RegistryFilters::default())
                 .await
+                .unwrap()
                 .is_empty()
         );
         let private = RegistryFilters::parse("!docker\\.io/library/.*").unwrap();
         assert!(
             inventory(&store, &images, &Registries::All, &private)
                 .await
+                .unwrap()
                 .is_empty()
         );
     }
