@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::oci::Digest;
 use crate::oci::manifest::MAX_MANIFEST_BYTES;
 use crate::oci::registry::{Registries, RegistryFilters};
-use crate::store::{ContentStore, ImageRecord, StoreError};
+use crate::store::{ContentStore, ImageRecord};
 
 /// Events arrive in bursts (one pull creates content, then the image); wait this long for the
 /// burst to end before walking the store.
@@ -141,22 +141,13 @@ impl Sync<'_> {
         let Ok(images) = self.store.images().await else {
             return false;
         };
-        let keys = match inventory(
+        let keys = inventory(
             self.store,
             &images,
             &self.config.registries,
             &self.config.filters,
         )
-        .await
-        {
-            Ok(keys) => keys,
-            // A lookup that failed (containerd busy or going away) says nothing about what is
-            // there: change nothing rather than withdraw what could not be looked at.
-            Err(e) => {
-                tracing::debug!(error = %e, "store walk interrupted; nothing changed");
-                return false;
-            }
-        };
+        .await;
         let added: Vec<String> = keys.difference(advertised).cloned().collect();
         let removed: Vec<String> = advertised.difference(&keys).cloned().collect();
         // Withdrawn keys stop being served before anything else happens.
@@ -202,14 +193,13 @@ impl Sync<'_> {
 }
 
 /// Every key the store can serve for images of mirrored registries: each tag, and every
-/// digest (index, manifests, config, layers) that is present in the store. An error when a
-/// lookup fails for any reason but absence.
+/// digest (index, manifests, config, layers) that is present in the store.
 pub async fn inventory(
     store: &dyn ContentStore,
     images: &[ImageRecord],
     registries: &Registries,
     filters: &RegistryFilters,
-) -> Result<BTreeSet<String>, StoreError> {
+) -> BTreeSet<String> {
     let mut keys = BTreeSet::new();
     let mut visited = BTreeSet::new();
     for image in images {
@@ -223,25 +213,12 @@ pub async fn inventory(
         if !registries.includes(&name.registry) || !filters.allows(shown) {
             continue;
         }
-        let mut present = walk(store, &image.target.digest, &mut visited, &mut keys).await?;
+        let mut present = walk(store, &image.target.digest, &mut visited, &mut keys).await;
         if let (Some(tag), true) = (&name.tag, present.remove(&image.target.digest)) {
             keys.insert(tag_key(&name.registry, &name.repository, tag));
         }
     }
-    Ok(keys)
-}
-
-/// Whether a digest is in the store: `Ok(None)` when it is absent, an error when the store
-/// could not say.
-async fn present(
-    store: &dyn ContentStore,
-    digest: &Digest,
-) -> Result<Option<crate::store::Descriptor>, StoreError> {
-    match store.descriptor(digest).await {
-        Ok(desc) => Ok(Some(desc)),
-        Err(StoreError::NotFound) => Ok(None),
-        Err(e) => Err(e),
-    }
+    keys
 }
 
 /// Adds every present digest reachable from `root` to `keys`; returns the ones found now.
@@ -250,35 +227,35 @@ async fn walk(
     root: &Digest,
     visited: &mut BTreeSet<Digest>,
     keys: &mut BTreeSet<String>,
-) -> Result<BTreeSet<Digest>, StoreError> {
-    let mut found = BTreeSet::new();
+) -> BTreeSet<Digest> {
+    let mut present = BTreeSet::new();
     let mut manifests = vec![root.clone()];
     while let Some(digest) = manifests.pop() {
         if !visited.insert(digest.clone()) {
             if keys.contains(&digest_key(&digest)) {
-                found.insert(digest);
+                present.insert(digest);
             }
             continue;
         }
-        let Some(desc) = present(store, &digest).await? else {
+        let Ok(desc) = store.descriptor(&digest).await else {
             continue;
         };
         keys.insert(digest_key(&digest));
-        found.insert(digest.clone());
+        present.insert(digest.clone());
         if desc.size > MAX_MANIFEST_BYTES {
             continue;
         }
-        let Some(children) = read_children(store, &digest).await? else {
+        let Some(children) = read_children(store, &digest).await else {
             continue;
         };
         manifests.extend(children.manifests);
         for blob in children.blobs {
-            if visited.insert(blob.clone()) && present(store, &blob).await?.is_some() {
+            if visited.insert(blob.clone()) && store.descriptor(&blob).await.is_ok() {
                 keys.insert(digest_key(&blob));
             }
         }
     }
-    Ok(found)
+    present
 }
 
 #[derive(Deserialize)]
@@ -300,25 +277,12 @@ struct Children {
     blobs: Vec<Digest>,
 }
 
-/// The children of a manifest or index: `Ok(None)` for a blob that is not one (or is gone),
-/// an error when the store could not be read.
-async fn read_children(
-    store: &dyn ContentStore,
-    digest: &Digest,
-) -> Result<Option<Children>, StoreError> {
-    let stream = match store.open(digest, None).await {
-        Ok(stream) => stream,
-        Err(StoreError::NotFound) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let chunks: Vec<bytes::Bytes> = futures::TryStreamExt::try_collect(stream)
-        .await
-        .map_err(StoreError::Io)?;
-    let Ok(links) = serde_json::from_slice::<Links>(&chunks.concat()) else {
-        return Ok(None);
-    };
+async fn read_children(store: &dyn ContentStore, digest: &Digest) -> Option<Children> {
+    let stream = store.open(digest, None).await.ok()?;
+    let chunks: Vec<bytes::Bytes> = futures::TryStreamExt::try_collect(stream).await.ok()?;
+    let links: Links = serde_json::from_slice(&chunks.concat()).ok()?;
     let parse = |l: Link| l.digest.parse::<Digest>().ok();
-    Ok(Some(Children {
+    Some(Children {
         manifests: links.manifests.into_iter().filter_map(parse).collect(),
         blobs: links
             .config
@@ -326,7 +290,7 @@ async fn read_children(
             .chain(links.layers)
             .filter_map(parse)
             .collect(),
-    }))
+    })
 }
 
 /// `<registry>/<repository>[:<tag>][@<digest>]`, as containerd names images.
@@ -406,8 +370,7 @@ mod tests {
             &Registries::All,
             &RegistryFilters::default(),
         )
-        .await
-        .unwrap();
+        .await;
         let expected: BTreeSet<String> = [
             index.to_string(),
             manifest.to_string(),
@@ -421,14 +384,12 @@ mod tests {
         assert!(
             inventory(&store, &images, &only_ghcr, &RegistryFilters::default())
                 .await
-                .unwrap()
                 .is_empty()
         );
         let private = RegistryFilters::parse("!docker\\.io/library/.*").unwrap();
         assert!(
             inventory(&store, &images, &Registries::All, &private)
                 .await
-                .unwrap()
                 .is_empty()
         );
     }
