@@ -17,6 +17,23 @@ use support::*;
 const LAYERS: usize = 3;
 const LAYER_BYTES: usize = 4 * 1024 * 1024;
 
+/// Since request `before`, `node` asked the registry for the tag `v1` and nothing else
+/// (Ferry's own reachability probes, `GET /v2/` without credentials, aside).
+fn asked_upstream_only_the_tag(registry: &Registry, before: usize, node: &Node) {
+    let asked: Vec<_> = registry.requests()[before..]
+        .iter()
+        .filter(|(remote, _, _)| remote.starts_with(&format!("{}:", node.ip)))
+        .map(|(_, method, uri)| (method.clone(), uri.clone()))
+        .filter(|(_, uri)| uri != "/v2/")
+        .collect();
+    assert_eq!(
+        asked,
+        [("HEAD".to_string(), "/v2/team/app/manifests/v1".to_string())],
+        "{} asked upstream for more than the tag",
+        node.name
+    );
+}
+
 #[test]
 fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going_away() {
     // Declared first, dropped last: processes stop before their namespaces are deleted.
@@ -71,20 +88,9 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
         image.manifest,
         "node 2 has the right image"
     );
-    let from_node2: Vec<_> = registry.requests()[before..]
-        .iter()
-        .filter(|(remote, _, _)| remote.starts_with(&format!("{}:", node2.ip)))
-        .map(|(_, method, uri)| (method.clone(), uri.clone()))
-        // Ferry's own reachability probes of the registry (`GET /v2/`, no credentials).
-        .filter(|(_, uri)| uri != "/v2/")
-        .collect();
     // The tag is the registry's to answer (it may have moved); everything by digest came
     // from node 1.
-    assert_eq!(
-        from_node2,
-        [("HEAD".to_string(), "/v2/team/app/manifests/v1".to_string())],
-        "node 2 asked upstream for more than the tag"
-    );
+    asked_upstream_only_the_tag(&registry, before, &node2);
     assert!(
         node2.metric("ferry_served_total{kind=\"blob\",source=\"peer\"}") >= blobs as u64,
         "{}",
@@ -173,17 +179,9 @@ fn a_node_started_before_its_peer_is_ready_only_once_it_has_found_it() {
         .containerd
         .pull("k8s.io", &reference, &node2.containerd.hosts_dir);
     assert_eq!(node2.image_digest(&reference), image.manifest);
-    let from_node2: Vec<_> = registry.requests()[before..]
-        .iter()
-        .filter(|(remote, _, _)| remote.starts_with(&format!("{}:", node2.ip)))
-        .map(|(_, method, uri)| (method.clone(), uri.clone()))
-        .filter(|(_, uri)| uri != "/v2/")
-        .collect();
-    assert_eq!(
-        from_node2,
-        [("HEAD".to_string(), "/v2/team/app/manifests/v1".to_string())],
-        "node 2 asked upstream for more than the tag"
-    );
+    // The tag is the registry's to answer (it may have moved); everything by digest came
+    // from node 1.
+    asked_upstream_only_the_tag(&registry, before, &node2);
 
     drop(node2);
     drop(node1);

@@ -112,6 +112,22 @@ fn upstream_gets(registry: &Registry, since: usize) -> HashMap<String, usize> {
     gets
 }
 
+/// The registry's own log since `since` shows every manifest and blob of `image` fetched once.
+fn each_fetched_once(registry: &Registry, since: usize, image: &Image, what: &str) {
+    let gets = upstream_gets(registry, since);
+    for digest in image.digests() {
+        let fetched: usize = gets
+            .iter()
+            .filter(|(uri, _)| uri.ends_with(&digest))
+            .map(|(_, n)| n)
+            .sum();
+        assert_eq!(
+            fetched, 1,
+            "{what}: {digest} fetched from upstream {fetched} times: {gets:?}"
+        );
+    }
+}
+
 /// The test's directory; kept after the test (logs, configs) with `FERRY_TEST_KEEP=1`.
 fn test_dir() -> (Option<tempfile::TempDir>, std::path::PathBuf) {
     let tmp = tempfile::Builder::new()
@@ -167,18 +183,7 @@ fn four_nodes_pulling_one_new_image_at_once_fetch_each_blob_upstream_once() {
             assert!(node.committed_matches(&digest), "{}: {digest}", node.name);
         }
     }
-    let gets = upstream_gets(&c.registry, since);
-    for digest in image.digests() {
-        let fetched: usize = gets
-            .iter()
-            .filter(|(uri, _)| uri.ends_with(&digest))
-            .map(|(_, n)| n)
-            .sum();
-        assert_eq!(
-            fetched, 1,
-            "{digest} fetched from upstream {fetched} times: {gets:?}"
-        );
-    }
+    each_fetched_once(&c.registry, since, &image, "four nodes");
     let followed = sum(
         &c.nodes,
         "ferry_coalesce_total{role=\"follower\",result=\"served\"}",
@@ -217,18 +222,7 @@ fn four_nodes_pulling_one_new_image_at_once_fetch_each_blob_upstream_once() {
             assert!(node.committed_matches_in(ns, &digest), "{ns}: {digest}");
         }
     }
-    let gets = upstream_gets(&c.registry, since);
-    for digest in image.digests() {
-        let fetched: usize = gets
-            .iter()
-            .filter(|(uri, _)| uri.ends_with(&digest))
-            .map(|(_, n)| n)
-            .sum();
-        assert_eq!(
-            fetched, 1,
-            "two namespaces on one node: {digest} fetched {fetched} times: {gets:?}"
-        );
-    }
+    each_fetched_once(&c.registry, since, &image, "two namespaces on one node");
     let shared = node.metric("ferry_coalesce_total{role=\"local\",result=\"shared\"}");
     assert!(
         shared >= 1,
