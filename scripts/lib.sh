@@ -55,6 +55,11 @@ ensure_helm_binary() {
         rm -rf "$tmp"
     fi
     export FERRY_HELM="$dir/helm/helm"
+    # The chart tests read `helm template`'s YAML with PyYAML.
+    python3 -c 'import yaml' 2>/dev/null || {
+        echo "==> installing PyYAML from PyPI"
+        python3 -m pip install --quiet pyyaml
+    }
 }
 
 ensure_rust() {
