@@ -271,6 +271,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
             .map(|o| o.stdout == b"200")
             .unwrap_or(false)
     });
+    let mark = registry.requests().len();
     let puller = {
         let (ns, socket, hosts) = (
             n2.ns.clone(),
@@ -300,6 +301,14 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     let from_peer = "ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}";
     let before = n2.metric(from_peer);
     wait_for("node 2 receiving from node 3", || {
+        // A pull that ended without it would make the kill below test nothing: say why.
+        assert!(
+            !puller.is_finished(),
+            "node 2's pull ended before it had 1 MiB from node 3: {} bytes from peers; \
+             upstream served node 2 {:?}",
+            n2.metric(from_peer) - before,
+            upstream_blob_gets_from(&registry, mark, &n2)
+        );
         n2.metric(from_peer) > before + (1 << 20)
     });
     n3.ferry.signal("KILL");

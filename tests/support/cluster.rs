@@ -161,20 +161,31 @@ impl Node {
                 self.name
             );
         }
-        // The files go when containerd's garbage collector runs, usually a moment later (not
-        // always soon: it is scheduled, not triggered by `content rm`). Until then a new pull
-        // finds them (containerd's default content sharing policy, "shared", takes a blob
-        // whose file exists without fetching it) and fetches nothing: wait a little for it.
+        // The files go when containerd's garbage collector runs: at once here (the test
+        // config collects after every deletion), but a file that stayed would make the next
+        // pull take it without fetching anything (containerd's "shared" content policy), and
+        // the test would measure nothing. Say so instead.
         let content = self.containerd.content_dir();
+        let on_disk = || {
+            digests
+                .iter()
+                .filter(|d| {
+                    content
+                        .join("blobs/sha256")
+                        .join(d.trim_start_matches("sha256:"))
+                        .exists()
+                })
+                .cloned()
+                .collect::<Vec<_>>()
+        };
         let started = std::time::Instant::now();
-        while started.elapsed() < std::time::Duration::from_secs(5)
-            && digests.iter().any(|d| {
-                content
-                    .join("blobs/sha256")
-                    .join(d.trim_start_matches("sha256:"))
-                    .exists()
-            })
-        {
+        while !on_disk().is_empty() {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "{}: containerd never deleted the files of {:?}",
+                self.name,
+                on_disk()
+            );
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
     }
