@@ -187,7 +187,7 @@ fn main() {
         .unwrap();
     let dir = tmp.path();
     let up_ns = net.add_host("up", 1);
-    let upstream = SocketAddr::new(net.host_ip(1).into(), 5000);
+    let upstream = SocketAddr::new(net.host_ip(1), 5000);
     let registry = Registry::start_at(&dir.join("registry"), Some(&up_ns), upstream);
     // The upstream's link to the cluster: shaped, as a registry across the internet is.
     let status = in_netns(Some(&up_ns), "tc")
@@ -200,11 +200,11 @@ fn main() {
     assert!(status.success(), "tc tbf");
     // The pull-through cache users deploy instead: one registry in the cluster, proxying upstream.
     let cache_ns = net.add_host("cache", 2);
-    let cache_addr = SocketAddr::new(net.host_ip(2).into(), 5000);
+    let cache_addr = SocketAddr::new(net.host_ip(2), 5000);
     let cache = Registry::start_proxy(&dir.join("cache"), &cache_ns, cache_addr, upstream);
     // The physical limit: a registry on the same bridge, unshaped. No mirror can beat it.
     let near_ns = net.add_host("near", 3);
-    let near = SocketAddr::new(net.host_ip(3).into(), 5000);
+    let near = SocketAddr::new(net.host_ip(3), 5000);
     let near_registry = Registry::start_at(&dir.join("near"), Some(&near_ns), near);
 
     let secret = dir.join("secret");

@@ -55,10 +55,15 @@ ensure_helm_binary() {
         rm -rf "$tmp"
     fi
     export FERRY_HELM="$dir/helm/helm"
-    # The chart tests read `helm template`'s YAML with PyYAML.
+    # The chart tests read `helm template`'s YAML with PyYAML, and check every object against
+    # the Kubernetes schemas with kubernetes-validate.
     python3 -c 'import yaml' 2>/dev/null || {
         echo "==> installing PyYAML from PyPI"
         python3 -m pip install --quiet pyyaml
+    }
+    python3 -c 'import kubernetes_validate' 2>/dev/null || {
+        echo "==> installing kubernetes-validate from PyPI"
+        python3 -m pip install --quiet kubernetes-validate
     }
 }
 

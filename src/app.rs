@@ -8,6 +8,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -26,6 +27,7 @@ use crate::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
 use crate::metrics::Metrics;
 use crate::oci::registry::Registries;
 use crate::ops::{self, Readiness};
+use crate::problems::Problems;
 use crate::registry::integrity::Integrity;
 use crate::registry::peer::PeerFetchConfig;
 use crate::registry::upstream::{PROBE_INTERVAL, PROBE_TIMEOUT};
@@ -38,6 +40,7 @@ use crate::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
 use crate::routing::sync::{self, SyncConfig};
 use crate::store::ContentStore;
 use crate::store::containerd::ContainerdStore;
+use crate::trust::secret::ClusterSecret;
 
 /// How long in-flight requests may run on after SIGTERM before they are cut off.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -287,6 +290,7 @@ pub async fn serve(
 ) {
     let metrics = Arc::new(Metrics::new());
     let readiness = Arc::new(Readiness::default());
+    let problems = Arc::new(Problems::new(metrics.clone()));
     readiness.listening.store(true, Ordering::Relaxed);
     readiness.hosts_written.store(true, Ordering::Relaxed);
     metrics.hosts_config_written.set(1);
@@ -322,7 +326,8 @@ pub async fn serve(
         Peering::P2p(mut setup) => {
             let kubernetes =
                 start_kubernetes_bootstrap(&config, kube.as_ref(), &setup, &token, &tracker);
-            start_router(&mut setup, kubernetes, &metrics, &token, &tracker).map(|router| {
+            let reporting = (&metrics, &problems);
+            start_router(&mut setup, kubernetes, reporting, &token, &tracker).map(|router| {
                 (
                     router,
                     setup.fetch,
@@ -425,15 +430,24 @@ pub async fn serve(
         &token,
         "ops",
         listeners.ops,
-        ops::router(readiness.clone(), metrics.clone()),
+        ops::router(readiness.clone(), metrics.clone(), problems.clone()),
     );
-    if let Some((router, _, _, _)) = &peers
-        && !router.ready()
-    {
-        readiness.waiting_for_peers.store(true, Ordering::Relaxed);
-        tracker.spawn(wait_for_first_peer(
+    if let Some((router, _, _, _)) = &peers {
+        readiness
+            .waiting_for_peers
+            .store(!router.ready(), Ordering::Relaxed);
+        tracker.spawn(watch_peers(
             router.clone(),
             readiness.clone(),
+            problems.clone(),
+            token.clone(),
+        ));
+    }
+    if let (Some(path), Some(secret)) = (&config.cluster_secret_file, &config.cluster_secret) {
+        tracker.spawn(watch_secret(
+            path.clone(),
+            secret.clone(),
+            problems.clone(),
             token.clone(),
         ));
     }
@@ -527,7 +541,7 @@ fn start_kubernetes_bootstrap(
 fn start_router(
     peers: &mut PeerSetup,
     kubernetes: Option<KubernetesBootstrap>,
-    metrics: &Arc<Metrics>,
+    (metrics, problems): (&Arc<Metrics>, &Arc<Problems>),
     token: &CancellationToken,
     tracker: &TaskTracker,
 ) -> Option<Arc<dyn Router>> {
@@ -541,6 +555,7 @@ fn start_router(
         bootstrap,
         peers.bootstrap_configured,
         metrics.clone(),
+        problems.clone(),
         token.clone(),
     ) {
         Ok((router, task)) => {
@@ -577,25 +592,44 @@ fn spawn_server(
 /// default of 128 overflows under a burst of connections at the connection limit, and an
 /// overflowing queue drops the handshake's last packet: the client believes it is connected
 /// while the server retries for seconds.
-const LISTEN_BACKLOG: u32 = 4096;
+const LISTEN_BACKLOG: i32 = 4096;
 
+/// Binds `addr`. The IPv6 wildcard `[::]` takes IPv4 connections too (whatever the host's
+/// `net.ipv6.bindv6only`), so one value (the chart's) works on IPv4, IPv6 and dual-stack
+/// nodes; on a host whose kernel has IPv6 turned off it falls back to `0.0.0.0`.
 async fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {
     let err = |source| AppError::Bind { addr, source };
-    let socket = match addr {
-        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
-        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    match listen_on(addr) {
+        Err(e) if addr.ip() == IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED) => {
+            let v4 = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port());
+            let listener = listen_on(v4).map_err(|_| err(e))?;
+            tracing::info!(%addr, %v4, "no IPv6 on this host: listening on IPv4 only");
+            Ok(listener)
+        }
+        other => other.map_err(err),
     }
-    .map_err(err)?;
-    // As std's and tokio's own `bind`: a restarted Ferry rebinds at once.
-    socket.set_reuseaddr(true).map_err(err)?;
-    socket.bind(addr).map_err(err)?;
-    socket.listen(LISTEN_BACKLOG).map_err(err)
 }
 
-/// Holds readiness back until the first peer is connected, for at most [`FIRST_PEER_WAIT`].
-async fn wait_for_first_peer(
+fn listen_on(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket.set_only_v6(false)?;
+    }
+    // As std's and tokio's own `bind`: a restarted Ferry rebinds at once.
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    socket.set_nonblocking(true)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// Holds readiness back until the first peer is connected, for at most [`FIRST_PEER_WAIT`];
+/// then keeps `no_peers` (see `problems.rs`) current for as long as the node runs.
+async fn watch_peers(
     router: Arc<dyn crate::routing::Router>,
     readiness: Arc<Readiness>,
+    problems: Arc<Problems>,
     token: CancellationToken,
 ) {
     let started = std::time::Instant::now();
@@ -611,12 +645,70 @@ async fn wait_for_first_peer(
             "first peer connected"
         );
     } else {
-        tracing::warn!(
+        tracing::info!(
             waited_s = FIRST_PEER_WAIT.as_secs(),
             "no peer connected although bootstrap names other nodes; ready anyway (the first node of a cluster has no one to find)"
         );
     }
     readiness.waiting_for_peers.store(false, Ordering::Relaxed);
+    // From now on, no peer for long while bootstrap names other nodes is a problem to show
+    // (the first node of a new cluster has it until the second one starts).
+    let mut alone_since = (!router.ready()).then_some(started);
+    loop {
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        match (router.ready(), alone_since) {
+            (true, Some(_)) => {
+                alone_since = None;
+                problems.clear("no_peers");
+            }
+            (false, None) => alone_since = Some(std::time::Instant::now()),
+            (false, Some(since)) if since.elapsed() >= FIRST_PEER_WAIT => problems.set(
+                "no_peers",
+                format!(
+                    "no peer connected for {} s although bootstrap names other nodes: this node pulls everything upstream. Check that the peer-to-peer port is open between nodes and that every node has the same cluster secret",
+                    since.elapsed().as_secs()
+                ),
+            ),
+            _ => {}
+        }
+    }
+}
+
+/// How often the cluster secret's file is read again: the kubelet updates a mounted Secret
+/// within about a minute of a change.
+const SECRET_CHECK: Duration = Duration::from_secs(30);
+
+/// Makes a cluster secret that changed under this node visible. The node keeps the secret it
+/// started with (switching would cut it off from every node that has not switched yet); the
+/// nodes started since use the new one, and the two groups never talk: a silent split, which
+/// is what a GitOps tool re-rendering the chart's generated secret causes.
+async fn watch_secret(
+    path: PathBuf,
+    started_with: ClusterSecret,
+    problems: Arc<Problems>,
+    token: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(SECRET_CHECK) => {}
+        }
+        match ClusterSecret::load(&path) {
+            Ok(now) if now != started_with => problems.set(
+                "cluster_secret_changed",
+                format!(
+                    "the cluster secret in {} changed since this node started; it keeps the old one, nodes started since use the new one, and the two never share. Restart every Ferry pod (kubectl rollout restart daemonset) so all use the new one; with GitOps (helm template), set clusterSecret.existingSecret so the secret stops changing",
+                    path.display()
+                ),
+            ),
+            Ok(_) => problems.clear("cluster_secret_changed"),
+            // Unreadable for a moment (the kubelet swaps the file atomically): look again later.
+            Err(_) => {}
+        }
+    }
 }
 
 /// Keeps readiness and `containerd_up` current; never exits on its own, whatever containerd
@@ -688,5 +780,56 @@ pub fn report(outcomes: &[Outcome]) {
             ),
             action => tracing::info!(%path, ?action, "hosts.toml"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_ipv6_wildcard_takes_ipv4_and_ipv6_connections() {
+        let listener = bind("[::]:0".parse().unwrap()).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        for client in ["127.0.0.1", "::1"] {
+            let to = SocketAddr::new(client.parse().unwrap(), port);
+            let (connected, accepted) =
+                tokio::join!(tokio::net::TcpStream::connect(to), listener.accept());
+            connected.unwrap_or_else(|e| panic!("{to}: {e}"));
+            accepted.unwrap();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cluster_secret_changed_on_disk_is_a_problem_until_it_is_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster-secret");
+        std::fs::write(&path, "the secret this node started with\n").unwrap();
+        let secret = ClusterSecret::load(&path).unwrap();
+        let problems = Arc::new(Problems::new(Arc::new(Metrics::new())));
+        let token = CancellationToken::new();
+        let watch = tokio::spawn(watch_secret(
+            path.clone(),
+            secret,
+            problems.clone(),
+            token.clone(),
+        ));
+        let after_a_check = || tokio::time::sleep(SECRET_CHECK + Duration::from_secs(1));
+
+        after_a_check().await;
+        assert!(problems.current().is_empty());
+        // A GitOps re-render: a new random secret in the mounted file.
+        std::fs::write(&path, "a secret generated by another render\n").unwrap();
+        after_a_check().await;
+        let now = problems.current();
+        assert_eq!(now.len(), 1);
+        assert_eq!(now[0].0, "cluster_secret_changed");
+        assert!(now[0].1.contains("existingSecret"), "{}", now[0].1);
+        // Put back (a rollback): the problem is gone.
+        std::fs::write(&path, "the secret this node started with").unwrap();
+        after_a_check().await;
+        assert!(problems.current().is_empty());
+        token.cancel();
+        watch.await.unwrap();
     }
 }

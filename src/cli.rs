@@ -84,7 +84,7 @@ pub struct Flags {
     /// URL hosts.toml points containerd at [default: http://<mirror-addr>]
     #[arg(long, global = true, env = "FERRY_MIRROR_TARGET", value_name = "URL")]
     pub mirror_target: Option<String>,
-    /// Address of /metrics, /healthz and /readyz [default: 0.0.0.0:5483]
+    /// Address of /metrics, /healthz and /readyz (`[::]`: IPv4 and IPv6) [default: [::]:5483]
     #[arg(long, global = true, env = "FERRY_METRICS_ADDR", value_name = "ADDR")]
     pub metrics_addr: Option<String>,
     /// Ferry's own state [default: /var/lib/ferry]

@@ -24,7 +24,7 @@ pub const KEYS: [(&str, &str); 35] = [
     ("registries", ""),
     ("mirror-addr", "127.0.0.1:5480"),
     ("mirror-target", ""),
-    ("metrics-addr", "0.0.0.0:5483"),
+    ("metrics-addr", "[::]:5483"),
     ("data-dir", "/var/lib/ferry"),
     ("peer-addr", ""),
     ("p2p-addr", "0.0.0.0:5482"),
@@ -69,6 +69,8 @@ pub struct Config {
     pub data_dir: PathBuf,
     pub p2p: Option<P2pSettings>,
     pub cluster_secret: Option<ClusterSecret>,
+    /// Where `cluster_secret` was read from: watched for changes (see `app::watch_secret`).
+    pub cluster_secret_file: Option<PathBuf>,
     pub registry_filters: RegistryFilters,
     pub kubernetes: KubernetesSettings,
     pub log_format: LogFormat,
@@ -195,6 +197,10 @@ impl Config {
                     ClusterSecret::load(Path::new(file))
                         .map_err(|e| err("cluster-secret-file", e.to_string()))?,
                 ),
+            },
+            cluster_secret_file: match value("cluster-secret-file").as_str() {
+                "" => None,
+                file => Some(PathBuf::from(file)),
             },
             registry_filters: RegistryFilters::parse(&value("registry-filters"))
                 .map_err(|m| err("registry-filters", m))?,
@@ -416,6 +422,15 @@ fn mirror_target(v: &str) -> Result<Option<String>, ConfigError> {
         .strip_prefix("http://")
         .or_else(|| v.strip_prefix("https://"))
         .ok_or_else(bad)?;
+    let scheme = &v[..v.len() - rest.len()];
+    // An IPv6 address with a port, unbracketed (the chart's `http://$(HOST_IP):port` on an
+    // IPv6 node): containerd could not parse it; write it the way URLs need it.
+    if rest.matches(':').count() > 1
+        && !rest.starts_with('[')
+        && let Ok(addr) = addr("mirror-target", rest)
+    {
+        return Ok(Some(format!("{scheme}{addr}")));
+    }
     let valid_host = !rest.is_empty()
         && !rest.contains('/')
         && rest
@@ -491,8 +506,18 @@ fn path(key: &str, v: &str) -> Result<PathBuf, ConfigError> {
     Ok(PathBuf::from(v))
 }
 
+/// `ip:port`, `[ipv6]:port`, or an IPv6 address and a port without the brackets
+/// (`fd00::5:5481`: the part after the last colon is the port), which is what the chart's
+/// `$(NODE_IP):port` becomes on an IPv6 node, where no template can add them.
 fn addr(key: &str, v: &str) -> Result<SocketAddr, ConfigError> {
-    v.parse().map_err(|_| {
+    let unbracketed = || {
+        let (ip, port) = v.rsplit_once(':')?;
+        Some(SocketAddr::new(
+            IpAddr::V6(ip.parse().ok()?),
+            port.parse().ok()?,
+        ))
+    };
+    v.parse().ok().or_else(unbracketed).ok_or_else(|| {
         err(
             key,
             format!("{v:?} is not an address such as 127.0.0.1:5480 or [::1]:5480"),
@@ -582,7 +607,7 @@ mod tests {
     fn defaults() {
         let c = Config::load(&Flags::default()).unwrap();
         assert_eq!(c.mirror_addr, "127.0.0.1:5480".parse().unwrap());
-        assert_eq!(c.metrics_addr, "0.0.0.0:5483".parse().unwrap());
+        assert_eq!(c.metrics_addr, "[::]:5483".parse().unwrap());
         assert_eq!(c.registries, Registries::All);
         assert_eq!(c.containerd_namespace, "k8s.io");
         assert_eq!(c.hosts_dir, PathBuf::from("/etc/containerd/certs.d"));
@@ -692,6 +717,28 @@ mod tests {
             ..Flags::default()
         };
         assert_eq!(Config::load(&flags).unwrap_err().key, "config");
+    }
+
+    #[test]
+    fn ipv6_addresses_are_taken_with_or_without_brackets() {
+        let v6: SocketAddr = "[fd00::5]:5481".parse().unwrap();
+        assert_eq!(addr("peer-addr", "[fd00::5]:5481").unwrap(), v6);
+        assert_eq!(addr("peer-addr", "fd00::5:5481").unwrap(), v6);
+        assert_eq!(
+            addr("peer-addr", "10.0.0.5:5481").unwrap(),
+            "10.0.0.5:5481".parse::<SocketAddr>().unwrap()
+        );
+        for bad in ["fd00::5", "fd00::5:99999", "[fd00::5]", "10.0.0.5"] {
+            assert!(addr("peer-addr", bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            mirror_target("http://fd00::5:30480").unwrap().unwrap(),
+            "http://[fd00::5]:30480"
+        );
+        assert_eq!(
+            mirror_target("http://[fd00::5]:30480").unwrap().unwrap(),
+            "http://[fd00::5]:30480"
+        );
     }
 
     #[test]

@@ -18,6 +18,8 @@
 //!   download in progress (rendezvous coordinator, lease table, in-flight reader).
 //! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`problems`]: what makes Ferry less useful on a node without making it unready (a split
+//!   peer network, a changed cluster secret, no peers), shown in `/readyz` and a metric.
 //! - [`kubernetes`]: peer bootstrap from the DaemonSet's pods, the node-ready taint.
 //! - [`limits`]: connection and in-flight request bounds on the listeners.
 //! - [`server`]: the HTTP accept loop (header read timeout, graceful drain).
@@ -33,6 +35,7 @@ pub mod limits;
 pub mod metrics;
 pub mod oci;
 pub mod ops;
+pub mod problems;
 pub mod registry;
 pub mod routing;
 pub mod server;

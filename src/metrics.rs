@@ -79,6 +79,18 @@ pub struct CoalesceLabels {
     pub result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProblemLabels {
+    /// See `problems.rs`: cluster_secret_changed, peer_handshake_failing, ...
+    pub problem: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirectionLabels {
+    /// incoming, outgoing
+    pub direction: &'static str,
+}
+
 /// Latency buckets in seconds: a local hit answers in well under a millisecond, a large blob
 /// streams for seconds.
 const DURATION_BUCKETS: [f64; 12] = [
@@ -113,6 +125,8 @@ pub struct Metrics {
     pub inflight_bytes: Counter,
     pub follow_wait: Histogram,
     pub corrupt_blobs: Counter,
+    pub config_problems: Family<ProblemLabels, Gauge>,
+    pub peer_handshake_failures: Family<DirectionLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -247,6 +261,18 @@ impl Metrics {
             "Blobs in this node's content store found not to match their digest before serving a peer",
             corrupt_blobs.clone(),
         );
+        let config_problems = Family::<ProblemLabels, Gauge>::default();
+        registry.register(
+            "config_problems",
+            "1 while a problem that makes Ferry less useful on this node holds (see /readyz), 0 once it is gone",
+            config_problems.clone(),
+        );
+        let peer_handshake_failures = Family::<DirectionLabels, Counter>::default();
+        registry.register(
+            "peer_handshake_failures",
+            "Peer connections that reached the other side but failed the handshake (usually a different cluster secret), by direction",
+            peer_handshake_failures.clone(),
+        );
         registry.register(
             "follow_wait_seconds",
             "Time a follower waited for its leader's first byte",
@@ -275,6 +301,8 @@ impl Metrics {
             inflight_bytes,
             follow_wait,
             corrupt_blobs,
+            config_problems,
+            peer_handshake_failures,
         }
     }
 

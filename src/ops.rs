@@ -10,6 +10,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::metrics::Metrics;
+use crate::problems::Problems;
 
 /// The conditions of readiness. Each is set by the one task that owns that condition.
 #[derive(Debug, Default)]
@@ -57,14 +58,19 @@ impl Readiness {
 struct OpsState {
     readiness: Arc<Readiness>,
     metrics: Arc<Metrics>,
+    problems: Arc<Problems>,
 }
 
-pub fn router(readiness: Arc<Readiness>, metrics: Arc<Metrics>) -> Router {
+pub fn router(readiness: Arc<Readiness>, metrics: Arc<Metrics>, problems: Arc<Problems>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
-        .with_state(OpsState { readiness, metrics })
+        .with_state(OpsState {
+            readiness,
+            metrics,
+            problems,
+        })
 }
 
 async fn readyz(State(s): State<OpsState>) -> impl IntoResponse {
@@ -73,7 +79,15 @@ async fn readyz(State(s): State<OpsState>) -> impl IntoResponse {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, s.readiness.report())
+    let mut body = s.readiness.report();
+    let problems = s.problems.current();
+    if !problems.is_empty() {
+        body.push_str("problems (they do not change readiness):\n");
+        for (name, detail) in problems {
+            body.push_str(&format!("  {name}: {detail}\n"));
+        }
+    }
+    (status, body)
 }
 
 async fn metrics_text(State(s): State<OpsState>) -> impl IntoResponse {
@@ -82,6 +96,10 @@ async fn metrics_text(State(s): State<OpsState>) -> impl IntoResponse {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        s.metrics.encode(),
+        {
+            // Problems that lapsed since the last look drop to 0 before they are exported.
+            s.problems.current();
+            s.metrics.encode()
+        },
     )
 }

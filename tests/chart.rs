@@ -263,3 +263,69 @@ fn the_chart_mounts_containerd_by_directory_and_never_creates_its_config() {
         assert!(mounts.contains(&dir_of(config).as_str()), "{mounts:?}");
     }
 }
+
+/// Every object the chart renders, in both network modes and the main value combinations, is
+/// valid for Kubernetes 1.28 (the oldest we support) and the newest version the validator
+/// ships, strictly (an unknown field is an error): `kubernetes-validate --strict`, which
+/// `./scripts/test.sh` installs from PyPI. The ServiceMonitor is a Prometheus Operator custom
+/// resource with no schema there: it is checked for its fields here instead.
+#[test]
+fn every_rendered_object_is_valid_for_kubernetes_1_28_and_the_newest() {
+    let validate = || {
+        let mut cmd = Command::new("python3");
+        cmd.args(["-m", "kubernetes_validate"]);
+        cmd
+    };
+    let installed = validate().arg("--version").output().unwrap();
+    assert!(
+        installed.status.success(),
+        "kubernetes-validate is required: pip install kubernetes-validate (scripts/test.sh does)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mut files = Vec::new();
+    for (i, set) in [
+        &[][..],
+        &["hostNetwork=false"][..],
+        &[
+            "clusterSecret.existingSecret=ferry-secret",
+            "serviceMonitor.enabled=true",
+            "grafanaDashboard.enabled=true",
+        ][..],
+        &[
+            "clusterSecret.create=false",
+            "cleanup.enabled=false",
+            "registries={docker.io,ghcr.io}",
+            "registryFilters={^docker\\.io/library/}",
+        ][..],
+    ]
+    .iter()
+    .enumerate()
+    {
+        for (j, object) in render(set).iter().enumerate() {
+            if object["kind"] == "ServiceMonitor" {
+                assert_eq!(object["apiVersion"], "monitoring.coreos.com/v1");
+                assert!(object["spec"]["endpoints"][0]["port"].is_string());
+                continue;
+            }
+            let file = dir.path().join(format!("{i}-{j}.json"));
+            std::fs::write(&file, object.to_string()).unwrap();
+            files.push(file);
+        }
+    }
+    assert!(files.len() > 10, "rendered only {} objects", files.len());
+    for version in [Some("1.28.0"), None] {
+        let mut cmd = validate();
+        cmd.args(["--strict", "--quiet"]);
+        if let Some(v) = version {
+            cmd.args(["--kubernetes-version", v]);
+        }
+        let out = cmd.args(&files).output().unwrap();
+        assert!(
+            out.status.success(),
+            "kubernetes {}: {}{}",
+            version.unwrap_or("newest"),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::cluster::{Node, P2P_PORT, registry_host};
+use support::cluster::{Node, P2P_PORT, PEER_PORT, registry_host};
 use support::netns::Net;
 use support::*;
 
@@ -20,9 +20,15 @@ const LAYER_BYTES: usize = 4 * 1024 * 1024;
 /// Since request `before`, `node` asked the registry for the tag `v1` and nothing else
 /// (Ferry's own reachability probes, `GET /v2/` without credentials, aside).
 fn asked_upstream_only_the_tag(registry: &Registry, before: usize, node: &Node) {
+    // `10.0.0.5:40000` or `[fd00::5]:40000`
+    let from_node = |remote: &str| {
+        remote.rsplit_once(':').is_some_and(|(host, _)| {
+            host.trim_start_matches('[').trim_end_matches(']') == node.ip.to_string()
+        })
+    };
     let asked: Vec<_> = registry.requests()[before..]
         .iter()
-        .filter(|(remote, _, _)| remote.starts_with(&format!("{}:", node.ip)))
+        .filter(|(remote, _, _)| from_node(remote))
         .map(|(_, method, uri)| (method.clone(), uri.clone()))
         .filter(|(_, uri)| uri != "/v2/")
         .collect();
@@ -188,4 +194,77 @@ fn a_node_started_before_its_peer_is_ready_only_once_it_has_found_it() {
     drop(registry);
     drop(tmp);
     drop(net);
+}
+
+/// IPv6 end to end: an IPv6-only network (no IPv4 address on any node), the peer address
+/// written the way the chart writes it on an IPv6 node (`$(NODE_IP):port`, no brackets), the
+/// bootstrap peer too. Node 2 gets every blob from node 1, over IPv6. (The registry's host
+/// also has an IPv4 address, only for the test to push the image: skopeo cannot parse a
+/// reference with an IPv6 address. The nodes pull from it over IPv6.)
+#[test]
+fn an_ipv6_only_cluster_shares_every_blob_over_ipv6() {
+    let mut net = Net::new_v6();
+    // FERRY_TEST_KEEP=1 keeps logs and state for a look after a failure.
+    let tmp = tempfile::Builder::new()
+        .prefix("ferry-ipv6")
+        .disable_cleanup(std::env::var_os("FERRY_TEST_KEEP").is_some())
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let up = net.add_host("up", 1);
+    let push_addr = std::net::SocketAddr::new(net.add_ipv4(&up, 1).into(), 5000);
+    let registry_addr = std::net::SocketAddr::new(net.host_ip(1), 5000);
+    let any = "[::]:5000".parse().unwrap();
+    let registry = Registry::start_listening(&dir.join("up"), Some(&up), any, registry_addr);
+    let image = Image::generate(&dir.join("image"), "v1", 2, LAYER_BYTES);
+    image.push(push_addr, "team/app");
+    let reference = format!("{registry_addr}/team/app:v1");
+
+    let (ip1, ip2) = (net.host_ip(11), net.host_ip(12));
+    let peer1 = format!("{ip1}:{PEER_PORT}");
+    let node1 = Node::start(
+        &mut net,
+        dir,
+        "n1",
+        11,
+        registry_addr,
+        &["--peer-addr", &peer1],
+    );
+    let (peer2, seed) = (format!("{ip2}:{PEER_PORT}"), format!("{ip1}:{P2P_PORT}"));
+    let node2 = Node::start(
+        &mut net,
+        dir,
+        "n2",
+        12,
+        registry_addr,
+        &["--peer-addr", &peer2, "--bootstrap-peers", &seed],
+    );
+    wait_for("node 2 connected to node 1", || {
+        node1.metric("ferry_peers_connected") >= 1
+    });
+
+    node1
+        .containerd
+        .pull("k8s.io", &reference, &node1.containerd.hosts_dir);
+    wait_for("node 1 advertises the image", || {
+        node1.metric("ferry_keys_advertised") >= 5
+    });
+    let before = registry.requests().len();
+    node2
+        .containerd
+        .pull("k8s.io", &reference, &node2.containerd.hosts_dir);
+    assert_eq!(node2.image_digest(&reference), image.manifest);
+    asked_upstream_only_the_tag(&registry, before, &node2);
+    let image_bytes: u64 = image.digests()[1..]
+        .iter()
+        .map(|d| image.blob(d).len() as u64)
+        .sum();
+    assert_eq!(
+        node2.metric("ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}"),
+        image_bytes,
+        "every blob came from node 1"
+    );
+    for digest in image.digests() {
+        assert!(node2.committed_matches(&digest), "{digest} correct");
+    }
 }

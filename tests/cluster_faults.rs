@@ -170,12 +170,31 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     let (status, body) = peer_get(&n1, &path, Some(token::sign(&secret(), "GET", &path)));
     assert_eq!((status, sha256_hex(&body)), (200, layer0.clone()));
 
-    // A node without the cluster key never joins, and pulls from upstream on its own.
+    // A node without the cluster key never joins, and pulls from upstream on its own; both
+    // sides see the failed handshakes, and the outsider says what is wrong.
     assert_eq!(
         outsider.metric("ferry_peers_connected"),
         0,
         "the outsider connected"
     );
+    wait_for("the outsider reports its failed handshakes", || {
+        outsider.metric("ferry_config_problems{problem=\"peer_handshake_failing\"}") == 1
+    });
+    assert!(outsider.metric("ferry_peer_handshake_failures_total{direction=\"outgoing\"}") >= 1);
+    assert!(n1.metric("ferry_peer_handshake_failures_total{direction=\"incoming\"}") >= 1);
+    let report = outsider.readyz();
+    assert!(
+        report.contains("peer_handshake_failing") && report.contains("cluster secret"),
+        "{report}"
+    );
+    for member in [&n1, &n2, &n3] {
+        assert_eq!(
+            member.metric("ferry_peer_handshake_failures_total{direction=\"outgoing\"}"),
+            0,
+            "{}: members agree on the key",
+            member.name
+        );
+    }
     let mark = registry.requests().len();
     outsider
         .containerd

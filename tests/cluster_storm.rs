@@ -368,7 +368,7 @@ fn faults_during_a_storm_never_fail_a_pull_or_commit_a_wrong_byte() {
         .iter()
         .map(|n| ferry::routing::Peer {
             id: peer_id(n),
-            addr: SocketAddr::new(n.ip.into(), support::cluster::PEER_PORT),
+            addr: SocketAddr::new(n.ip, support::cluster::PEER_PORT),
         })
         .collect();
     let first_layer: ferry::oci::Digest = image.layers[0].parse().unwrap();
@@ -432,8 +432,8 @@ fn an_upstream_failing_the_leaders_request_costs_no_pull() {
     // blob (the leader's, in a storm) with a 503; the nodes know only the front.
     let up = net.add_host("up", 1);
     let ip = net.host_ip(1);
-    let registry = Registry::start_at(&dir.join("up"), Some(&up), SocketAddr::new(ip.into(), 5001));
-    let front_addr = SocketAddr::new(ip.into(), 5000);
+    let registry = Registry::start_at(&dir.join("up"), Some(&up), SocketAddr::new(ip, 5001));
+    let front_addr = SocketAddr::new(ip, 5000);
     let front_log = dir.join("front.log");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/flaky_front.py");
     let mut cmd = in_netns(Some(&up), "python3");

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::metrics::Metrics;
+use ferry::problems::Problems;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
 use ferry::routing::{Peer, Router};
@@ -79,6 +80,7 @@ fn start_with_key(
         Arc::new(StaticBootstrap { addrs }),
         !bootstrap.is_empty(),
         metrics.clone(),
+        Arc::new(Problems::new(metrics.clone())),
         token.clone(),
     )
     .unwrap();

@@ -193,7 +193,7 @@ fn nginx(node: &Node, dir: &Path) -> Proc {
         .arg("-c")
         .arg(prefix.join("nginx.conf"));
     let proc = Proc::spawn(cmd, prefix.join("nginx.out"));
-    let addr = SocketAddr::new(node.ip.into(), 8080);
+    let addr = SocketAddr::new(node.ip, 8080);
     wait_for("nginx", || http_status(addr, "/").is_some());
     proc
 }

@@ -84,15 +84,39 @@ pub fn new_file(host: Option<&str>, mirror_url: &str, created_dir: bool) -> Stri
     // the plain concatenation the merge would produce anyway.
     match merge(&skeleton, mirror_url) {
         Ok(Merged::Updated(text)) => text,
-        _ => format!("{skeleton}\n{}", block(mirror_url, "\n")),
+        _ => format!(
+            "{skeleton}\n{}",
+            block(mirror_url, mirror_url.contains('['), "\n")
+        ),
     }
 }
 
-/// Ferry's block, with the file's own line ending so CRLF files stay CRLF.
-fn block(mirror_url: &str, eol: &str) -> String {
+/// Ferry's block, with the file's own line ending so CRLF files stay CRLF; a dotted key
+/// among the root keys when `dotted` (see [`needs_dotted`]), else a table.
+fn block(mirror_url: &str, dotted: bool, eol: &str) -> String {
+    if dotted {
+        return format!(
+            "{BLOCK_BEGIN}{eol}host.\"{mirror_url}\".capabilities = {CAPABILITIES}{eol}{BLOCK_END}{eol}"
+        );
+    }
     format!(
         "{BLOCK_BEGIN}{eol}[host.\"{mirror_url}\"]{eol}  capabilities = {CAPABILITIES}{eol}{BLOCK_END}{eol}"
     )
+}
+
+/// Whether Ferry's entry is written as a dotted key among the root keys instead of a
+/// `[host."..."]` table. containerd before 2.0 reads hosts.toml with go-toml v1, which refuses
+/// a `]` inside a table header, quoted or not ("table key cannot contain ']'"):
+/// `[host."http://[fd00::5]:5480"]` makes it drop the whole file. The dotted form parses, and
+/// containerd orders hosts by line, so it still comes first (checked with containerd 1.6.20).
+/// An operator's IPv6 host is written that way for the same reason, and a table of Ferry's
+/// cannot come before a root key, so then Ferry's entry is dotted too, whatever its URL.
+fn needs_dotted(doc: &Document<&str>, mirror_url: &str) -> bool {
+    let operator_dotted = doc.get("host").and_then(|h| h.as_table()).is_some_and(|h| {
+        h.iter()
+            .any(|(_, item)| item.as_table().is_some_and(|t| t.is_dotted()))
+    });
+    mirror_url.contains('[') || operator_dotted
 }
 
 /// Adds Ferry's mirror entry to `existing`, first among the host tables.
@@ -112,20 +136,37 @@ pub fn merge(existing: &str, mirror_url: &str) -> Result<Merged, MergeError> {
             Merged::Updated(base)
         });
     }
-    let text = match hosts.iter().map(|(_, start)| *start).min() {
+    // A dotted entry belongs with the root keys, before the first table of any kind.
+    let first_table = |doc: &Document<&str>| {
+        doc.iter()
+            .filter_map(|(_, item)| match item {
+                toml_edit::Item::Table(t) => earliest(t),
+                toml_edit::Item::ArrayOfTables(a) => a.span().map(|s| s.start),
+                _ => None,
+            })
+            .min()
+    };
+    let dotted = needs_dotted(&doc, mirror_url);
+    let first_host = hosts.iter().map(|(_, start)| *start).min();
+    let place = if dotted {
+        first_table(&doc).into_iter().chain(first_host).min()
+    } else {
+        first_host
+    };
+    let text = match place {
         Some(first) => {
             let at = attached_comment_start(&base, line_start(&base, first));
             format!(
                 "{}{}{eol}{}",
                 &base[..at],
-                block(mirror_url, eol),
+                block(mirror_url, dotted, eol),
                 &base[at..]
             )
         }
-        None if base.is_empty() => block(mirror_url, eol),
+        None if base.is_empty() => block(mirror_url, dotted, eol),
         // Appended after exactly one "\n" of ours (a blank line when the file ended with a
         // newline, a line break when it did not); `cleanup` removes that one byte again.
-        None => format!("{base}{eol}{}", block(mirror_url, eol)),
+        None => format!("{base}{eol}{}", block(mirror_url, dotted, eol)),
     };
     verify(&text, mirror_url)?;
     if text == existing {
@@ -209,25 +250,33 @@ fn is_skeleton(text: &str) -> bool {
         .all(|l| l.trim().is_empty() || l.starts_with("server = \"https://"))
 }
 
-/// `(url, byte offset of its table header)` for every `[host."url"]` table.
+/// `(url, byte offset where it first appears)` for every host: `[host."url"]` tables, and
+/// `host."url".key = ...` dotted keys among the root keys (how an IPv6 URL must be written
+/// for containerd before 2.0; see [`dotted`]).
 fn host_tables(doc: &Document<&str>) -> Result<Vec<(String, usize)>, MergeError> {
     let Some(host) = doc.get("host") else {
         return Ok(Vec::new());
     };
     let table = host.as_table().ok_or(MergeError::UnsupportedLayout)?;
-    if !table.is_implicit() || table.is_dotted() {
+    // `[host]` itself, or `host = { ... }`: entries with no order containerd keeps.
+    if !table.is_implicit() && !table.is_dotted() {
         return Err(MergeError::UnsupportedLayout);
     }
     table
         .iter()
         .map(|(url, item)| {
             let t = item.as_table().ok_or(MergeError::UnsupportedLayout)?;
-            if t.is_dotted() {
-                return Err(MergeError::UnsupportedLayout);
-            }
-            // A host's sub-table (`[host."x".header]`) may come before `[host."x"]` itself;
-            // the host is where it first appears.
-            let start = earliest(t).ok_or(MergeError::UnsupportedLayout)?;
+            let start = if t.is_dotted() {
+                // `host."url".capabilities = ...`: where its key is written.
+                let key = table.key(url).and_then(|k| k.span());
+                let nested = earliest(t);
+                key.map(|k| k.start).into_iter().chain(nested).min()
+            } else {
+                // A host's sub-table (`[host."x".header]`) may come before `[host."x"]`
+                // itself; the host is where it first appears.
+                earliest(t)
+            };
+            let start = start.ok_or(MergeError::UnsupportedLayout)?;
             Ok((url.to_string(), start))
         })
         .collect()
@@ -365,4 +414,70 @@ pub fn api_root(url: &str, override_path: bool) -> String {
         return url.to_string();
     }
     format!("{url}/v2")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V6_MIRROR: &str = "http://[fd00::5]:30480";
+
+    fn merged(input: &str, mirror: &str) -> String {
+        match merge(input, mirror).unwrap() {
+            Merged::Updated(text) => text,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_ipv6_mirror_is_a_dotted_key_before_every_table_and_comes_first() {
+        let input = "server = \"https://registry.example\"\n\n[header]\n  x = \"1\"\n\n[host.\"https://cache.example\"]\n  capabilities = [\"pull\"]\n";
+        let text = merged(input, V6_MIRROR);
+        assert_eq!(
+            text,
+            format!(
+                "server = \"https://registry.example\"\n\n{BLOCK_BEGIN}\nhost.\"{V6_MIRROR}\".capabilities = [\"pull\", \"resolve\"]\n{BLOCK_END}\n\n[header]\n  x = \"1\"\n\n[host.\"https://cache.example\"]\n  capabilities = [\"pull\"]\n"
+            )
+        );
+        assert!(
+            !text.contains("[host.\"http://["),
+            "no table header holds a ']'"
+        );
+        // Run again: nothing changes; cleanup gives back the operator's bytes.
+        assert_eq!(merge(&text, V6_MIRROR).unwrap(), Merged::Unchanged);
+        assert_eq!(cleanup(&text), Cleaned::Restored(input.to_string()));
+        let (listed, server) = upstreams(&text, V6_MIRROR).unwrap();
+        assert!(
+            listed.is_empty(),
+            "cache.example cannot resolve: {listed:?}"
+        );
+        assert_eq!(server.as_deref(), Some("https://registry.example/v2"));
+    }
+
+    #[test]
+    fn an_operators_dotted_ipv6_host_is_kept_and_ferry_goes_before_it() {
+        // How an operator on containerd 1.6/1.7 must write an IPv6 registry's host.
+        let input = "server = \"http://[fd00::1]:5000\"\nhost.\"http://[fd00::1]:5000\".capabilities = [\"pull\", \"resolve\"]\n";
+        for mirror in ["http://127.0.0.1:5480", V6_MIRROR] {
+            let text = merged(input, mirror);
+            let doc = Document::parse(text.as_str()).unwrap();
+            let mut hosts = host_tables(&doc).unwrap();
+            hosts.sort_by_key(|(_, at)| *at);
+            let order: Vec<&str> = hosts.iter().map(|(url, _)| url.as_str()).collect();
+            assert_eq!(order, [mirror, "http://[fd00::1]:5000"], "{text}");
+            assert_eq!(cleanup(&text), Cleaned::Restored(input.to_string()));
+            let (listed, _) = upstreams(&text, mirror).unwrap();
+            assert_eq!(listed, ["http://[fd00::1]:5000/v2"]);
+        }
+    }
+
+    #[test]
+    fn a_new_file_for_an_ipv6_mirror_parses_with_ferry_first() {
+        let text = new_file(Some("[fd00::1]:5000"), V6_MIRROR, true);
+        assert!(
+            text.contains(&format!("host.\"{V6_MIRROR}\".capabilities")),
+            "{text}"
+        );
+        verify(&text, V6_MIRROR).unwrap();
+    }
 }

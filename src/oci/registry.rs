@@ -73,23 +73,40 @@ impl RegistryFilters {
     }
 }
 
-/// `host[:port]`: also the name of its directory in the hosts dir, so no path tricks.
+/// `host[:port]` or `[ipv6][:port]`: also the name of its directory in the hosts dir, so no
+/// path tricks (an IPv6 address holds only hex digits and colons).
 pub fn registry_host(host: &str) -> Result<(), &'static str> {
     if host.contains("://") {
         return Err(
             "a registry is a host with an optional port, without a scheme: docker.io, not https://docker.io",
         );
     }
-    let (name, port) = match host.rsplit_once(':') {
-        Some((n, p)) => (n, Some(p)),
-        None => (host, None),
+    let (name, port) = match host.strip_prefix('[').and_then(|r| r.split_once(']')) {
+        Some((ip, rest)) => {
+            if ip.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err("expected an IPv6 address between [ and ]");
+            }
+            match rest {
+                "" => (None, None),
+                _ => (
+                    None,
+                    Some(rest.strip_prefix(':').ok_or("expected :port after ]")?),
+                ),
+            }
+        }
+        None => match host.rsplit_once(':') {
+            Some((n, p)) => (Some(n), Some(p)),
+            None => (Some(host), None),
+        },
     };
     let label_ok = |l: &str| {
         !l.is_empty()
             && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
             && !l.starts_with('-')
     };
-    if name.len() > 253 || !name.split('.').all(label_ok) {
+    if let Some(name) = name
+        && (name.len() > 253 || !name.split('.').all(label_ok))
+    {
         return Err("expected a registry host[:port] such as docker.io or registry.local:5000");
     }
     if let Some(p) = port
@@ -98,4 +115,37 @@ pub fn registry_host(host: &str) -> Result<(), &'static str> {
         return Err("port must be 1-65535");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_hosts_are_names_or_ip_addresses_with_an_optional_port() {
+        for ok in [
+            "docker.io",
+            "registry.local:5000",
+            "10.0.0.5:5000",
+            "[fd00::1]:5000",
+            "[fd00::1]",
+            "[::1]:5000",
+        ] {
+            assert_eq!(registry_host(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "https://docker.io",
+            "[fd00::1",
+            "[fd00::1]5000",
+            "[not-v6]:5000",
+            "[fd00::1]:0",
+            "[fd00::1]:5000/../x",
+            "fd00::1:5000",
+            "../etc",
+            "a/b",
+            "",
+        ] {
+            assert!(registry_host(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -70,7 +70,8 @@ pub fn tcp_multiaddr(ip: IpAddr, port: u16) -> Multiaddr {
     Multiaddr::empty().with(ip.into()).with(Protocol::Tcp(port))
 }
 
-/// `host:port`, `ip:port` or a multiaddr (`/ip4/10.0.0.1/tcp/5482`, `/dns/node-1/tcp/5482`).
+/// `host:port`, `ip:port` (an IPv6 address with or without brackets: the part after the last
+/// colon is the port) or a multiaddr (`/ip4/10.0.0.1/tcp/5482`, `/dns/node-1/tcp/5482`).
 pub fn parse_peer(s: &str) -> Result<Multiaddr, String> {
     if s.starts_with('/') {
         return s.parse().map_err(|e| format!("{s:?}: {e}"));
@@ -82,6 +83,9 @@ pub fn parse_peer(s: &str) -> Result<Multiaddr, String> {
         .rsplit_once(':')
         .ok_or_else(|| format!("{s:?}: expected host:port or a multiaddr"))?;
     let port: u16 = port.parse().map_err(|_| format!("{s:?}: bad port"))?;
+    if let Ok(v6) = host.parse::<std::net::Ipv6Addr>() {
+        return Ok(tcp_multiaddr(v6.into(), port));
+    }
     if host.is_empty()
         || !host
             .bytes()
@@ -111,6 +115,14 @@ mod tests {
         assert_eq!(
             parse_peer("node-1.example:5482").unwrap().to_string(),
             "/dns/node-1.example/tcp/5482"
+        );
+        assert_eq!(
+            parse_peer("fd00::5:5482").unwrap().to_string(),
+            "/ip6/fd00::5/tcp/5482"
+        );
+        assert_eq!(
+            parse_peer("[fd00::5]:5482").unwrap().to_string(),
+            "/ip6/fd00::5/tcp/5482"
         );
         assert_eq!(
             parse_peer("/ip4/1.2.3.4/tcp/1").unwrap().to_string(),

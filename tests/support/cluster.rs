@@ -1,6 +1,6 @@
 //! A node of a test cluster: its own network namespace, containerd and `ferry run`.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use super::netns::Net;
@@ -14,7 +14,7 @@ pub const METRICS_PORT: u16 = 5483;
 pub struct Node {
     pub name: String,
     pub ns: String,
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub dir: PathBuf,
     pub containerd: Containerd,
     pub ferry: Proc,
@@ -41,9 +41,16 @@ impl Node {
         let containerd = Containerd::start_in(&node_dir, Some(&ns));
         let own = containerd.hosts_dir.join(registry.to_string());
         std::fs::create_dir_all(&own).expect("hosts dir");
+        // containerd 1.6 and 1.7 cannot read a `]` in a table header: an IPv6 host is
+        // written as a dotted key, as an operator on those versions must.
+        let host = if registry.is_ipv6() {
+            format!("host.\"http://{registry}\".capabilities = [\"pull\", \"resolve\"]\n")
+        } else {
+            format!("\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n")
+        };
         std::fs::write(
             own.join("hosts.toml"),
-            format!("server = \"http://{registry}\"\n\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
+            format!("server = \"http://{registry}\"\n{host}"),
         )
         .expect("operator hosts.toml");
         let mut node = Node {
@@ -96,11 +103,21 @@ impl Node {
     }
 
     pub fn metrics_addr(&self) -> SocketAddr {
-        SocketAddr::new(self.ip.into(), METRICS_PORT)
+        SocketAddr::new(self.ip, METRICS_PORT)
     }
 
     pub fn metrics(&self) -> String {
-        let url = format!("http://{}:{METRICS_PORT}/metrics", self.ip);
+        self.ops_get("/metrics")
+    }
+
+    /// `/readyz`'s body: the conditions and any problems.
+    pub fn readyz(&self) -> String {
+        self.ops_get("/readyz")
+    }
+
+    /// The body of `path` on the ops address ("" when it does not answer).
+    fn ops_get(&self, path: &str) -> String {
+        let url = format!("http://{}{path}", self.metrics_addr());
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -207,7 +224,7 @@ impl Node {
     }
 
     pub fn peer_url(&self, path: &str) -> String {
-        format!("http://{}:{PEER_PORT}{path}", self.ip)
+        format!("http://{}{path}", SocketAddr::new(self.ip, PEER_PORT))
     }
 }
 
@@ -215,6 +232,6 @@ impl Node {
 /// its storage under `dir/name`.
 pub fn registry_host(net: &mut Net, dir: &Path, name: &str, host: u8) -> (Registry, SocketAddr) {
     let ns = net.add_host(name, host);
-    let addr = SocketAddr::new(net.host_ip(host).into(), 5000);
+    let addr = SocketAddr::new(net.host_ip(host), 5000);
     (Registry::start_at(&dir.join(name), Some(&ns), addr), addr)
 }

@@ -309,13 +309,23 @@ impl Registry {
 
     /// In `netns` (reached from the test through the bridge), listening on `addr`.
     pub fn start_at(dir: &Path, netns: Option<&str>, addr: SocketAddr) -> Registry {
+        Self::start_listening(dir, netns, addr, addr)
+    }
+
+    /// Listens on `listen` (a wildcard, say) and is reached at `addr`.
+    pub fn start_listening(
+        dir: &Path,
+        netns: Option<&str>,
+        listen: SocketAddr,
+        addr: SocketAddr,
+    ) -> Registry {
         require("docker-registry");
         std::fs::create_dir_all(dir).expect("registry dir");
         let config = dir.join("registry.yml");
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: {addr}\n",
+                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: \"{listen}\"\n",
                 dir.display()
             ),
         )
@@ -342,7 +352,7 @@ impl Registry {
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: {addr}\nproxy:\n  remoteurl: http://{upstream}\n",
+                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: \"{addr}\"\nproxy:\n  remoteurl: http://{upstream}\n",
                 dir.display()
             ),
         )

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use libp2p::kad::{self, GetProvidersOk, QueryId, QueryResult};
@@ -17,7 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, peer_addr_of};
 use super::{Command, Status};
-use crate::metrics::Metrics;
+use crate::metrics::{DirectionLabels, Metrics};
+use crate::problems::Problems;
 use crate::routing::Peer;
 use crate::routing::bootstrap::Bootstrap;
 
@@ -31,6 +32,11 @@ const REBOOTSTRAP_MAX: Duration = Duration::from_secs(10);
 /// With peers connected, how often the loop looks whether it still has any (then the backoff
 /// starts again from [`REBOOTSTRAP_MIN`]).
 const CONNECTED_CHECK: Duration = Duration::from_secs(1);
+/// How often other nodes' expired provider records are swept out of the store (see
+/// `ProviderStore::expire`): a scan of every key, about a millisecond for 12,500 keys.
+const EXPIRE_INTERVAL: Duration = Duration::from_secs(60);
+/// A failed handshake is a problem (see `problems.rs`) until this long after the last one.
+const HANDSHAKE_PROBLEM_FOR: Duration = Duration::from_secs(600);
 /// With peers connected, the DHT routing table is refreshed this often.
 const KAD_BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(300);
 /// Announcements (Kademlia queries) in flight at once. A node with 10,000 keys would
@@ -46,6 +52,7 @@ pub(crate) struct EventLoop {
     status: Arc<Status>,
     bootstrap: Arc<dyn Bootstrap>,
     metrics: Arc<Metrics>,
+    problems: Arc<Problems>,
     /// HTTP peer addresses learned through identify.
     http_addrs: HashMap<PeerId, SocketAddr>,
     /// Open provider lookups, with the providers already sent.
@@ -67,6 +74,7 @@ impl EventLoop {
         status: Arc<Status>,
         bootstrap: Arc<dyn Bootstrap>,
         metrics: Arc<Metrics>,
+        problems: Arc<Problems>,
     ) -> Self {
         EventLoop {
             swarm,
@@ -75,6 +83,7 @@ impl EventLoop {
             status,
             bootstrap,
             metrics,
+            problems,
             http_addrs: HashMap::new(),
             lookups: HashMap::new(),
             awaiting_identify: HashMap::new(),
@@ -89,6 +98,7 @@ impl EventLoop {
         tokio::pin!(rebootstrap);
         let mut backoff = REBOOTSTRAP_MIN;
         let mut refresh = tokio::time::interval(KAD_BOOTSTRAP_INTERVAL);
+        let mut expire = tokio::time::interval(EXPIRE_INTERVAL);
         loop {
             tokio::select! {
                 _ = token.cancelled() => break,
@@ -109,6 +119,12 @@ impl EventLoop {
                     };
                     rebootstrap.as_mut().reset(tokio::time::Instant::now() + next);
                 }
+                _ = expire.tick() => {
+                    let gone = self.swarm.behaviour_mut().kad.store_mut().expire(Instant::now());
+                    if gone > 0 {
+                        tracing::debug!(gone, "expired provider records dropped");
+                    }
+                }
                 _ = refresh.tick() => {
                     if self.status.connected.load(Ordering::Relaxed) > 0 {
                         let _ = self.swarm.behaviour_mut().kad.bootstrap();
@@ -117,6 +133,22 @@ impl EventLoop {
             }
         }
         tracing::debug!("peer-to-peer task stopped");
+    }
+
+    /// Counts a peer connection that reached the other side and failed its handshake, and
+    /// keeps the problem visible for [`HANDSHAKE_PROBLEM_FOR`] after the last one.
+    fn handshake_failed(&self, direction: &'static str, error: &str) {
+        self.metrics
+            .peer_handshake_failures
+            .get_or_create(&DirectionLabels { direction })
+            .inc();
+        self.problems.set_for(
+            "peer_handshake_failing",
+            format!(
+                "a peer connection ({direction}) failed its handshake: a node with a different cluster secret, or not a Ferry, on the peer-to-peer port; nodes with different secrets form separate networks and never share. Check that every node mounts the same secret (with GitOps, set clusterSecret.existingSecret). Last: {error}"
+            ),
+            HANDSHAKE_PROBLEM_FOR,
+        );
     }
 
     /// DNS can be slow: resolve off the loop, then dial through our own command queue.
@@ -229,9 +261,24 @@ impl EventLoop {
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
+                // A refused or unreachable address is a node not up yet; a failed handshake
+                // is a node that answered and could not agree on the key: another secret.
+                // (libp2p's dial error keeps its cause only in its text.)
+                if error.to_string().contains("Handshake failed") {
+                    self.handshake_failed("outgoing", &error.to_string());
+                }
                 if let Some(peer) = peer_id {
                     self.awaiting_identify.remove(&peer);
                 }
+            }
+            // Every incoming connection that fails did connect: it failed the handshake.
+            SwarmEvent::IncomingConnectionError {
+                send_back_addr,
+                error,
+                ..
+            } => {
+                tracing::debug!(%send_back_addr, %error, "incoming connection failed");
+                self.handshake_failed("incoming", &format!("from {send_back_addr}: {error}"));
             }
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::debug!(%address, "listening for peers");

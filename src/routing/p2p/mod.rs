@@ -27,6 +27,7 @@ pub use behaviour::{ProvideTiming, agent_version, peer_addr_of};
 use super::bootstrap::{Bootstrap, tcp_multiaddr};
 use super::{Peer, PeerStream, Router, RouterError};
 use crate::metrics::Metrics;
+use crate::problems::Problems;
 
 /// Commands queue up to this many; a full queue makes callers wait (backpressure), it never
 /// drops a command.
@@ -105,6 +106,7 @@ impl P2pRouter {
         bootstrap: Arc<dyn Bootstrap>,
         bootstrap_configured: bool,
         metrics: Arc<Metrics>,
+        problems: Arc<Problems>,
         token: CancellationToken,
     ) -> Result<(P2pRouter, JoinHandle<()>), P2pError> {
         let key = identity::load_or_create(&config.data_dir)?;
@@ -152,8 +154,15 @@ impl P2pRouter {
         tracing::info!(%peer_id, listen = %config.listen, peer_addr = %peer_http_addr, "peer-to-peer node started");
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
         let status = Arc::new(Status::default());
-        let event_loop =
-            event_loop::EventLoop::new(swarm, rx, tx.clone(), status.clone(), bootstrap, metrics);
+        let event_loop = event_loop::EventLoop::new(
+            swarm,
+            rx,
+            tx.clone(),
+            status.clone(),
+            bootstrap,
+            metrics,
+            problems,
+        );
         let task = tokio::spawn(event_loop.run(token));
         Ok((
             P2pRouter {

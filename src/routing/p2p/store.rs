@@ -9,6 +9,7 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet, hash_map, hash_set};
 use std::iter;
+use std::time::Instant;
 
 use libp2p::PeerId;
 use libp2p::kad::store::{Error, RecordStore, Result};
@@ -32,6 +33,27 @@ impl ProviderStore {
             providers: HashMap::new(),
             provided: HashSet::new(),
         }
+    }
+
+    /// Forgets other nodes' records whose time is up, and keys left with none; returns how
+    /// many records went. libp2p's Kademlia drops an expired record only when its key is
+    /// looked up, so a key nobody asks for again would stay for the node's life (memory that
+    /// grows with every image the cluster ever held, and once `max_keys` is reached, new
+    /// keys kept out). This node's own records are left to Kademlia, which re-announces them.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let local = self.local;
+        let mut gone = 0;
+        self.providers.retain(|_, records| {
+            let before = records.len();
+            records.retain(|r| r.provider == local || !r.is_expired(now));
+            gone += before - records.len();
+            !records.is_empty()
+        });
+        // A map that held many more keys than it does now gives the memory back.
+        if self.providers.capacity() > 4 * self.providers.len().max(1024) {
+            self.providers.shrink_to_fit();
+        }
+        gone
     }
 }
 
@@ -61,7 +83,14 @@ impl RecordStore for ProviderStore {
         let providers = match self.providers.entry(record.key.clone()) {
             hash_map::Entry::Occupied(e) => e.into_mut(),
             hash_map::Entry::Vacant(_) if keys >= self.max_keys => {
-                return Err(Error::MaxProvidedKeys);
+                // Full: make room from expired records before refusing a key.
+                self.expire(Instant::now());
+                if self.providers.len() >= self.max_keys {
+                    return Err(Error::MaxProvidedKeys);
+                }
+                self.providers
+                    .entry(record.key.clone())
+                    .or_insert_with(|| Vec::with_capacity(1))
             }
             // Room for exactly one: most keys never have a second provider record here.
             hash_map::Entry::Vacant(e) => e.insert(Vec::with_capacity(1)),
@@ -156,6 +185,47 @@ mod tests {
             store.add_provider(record("k3", PeerId::random())),
             Err(Error::MaxProvidedKeys)
         ));
+    }
+
+    #[test]
+    fn a_week_of_churn_leaves_only_the_records_whose_time_is_not_up() {
+        // Every hour for a week, 1,000 keys appear (images come and go) from other nodes, with
+        // a 24 h TTL, and are never looked up again; the sweep runs every hour.
+        let (me, now) = (PeerId::random(), Instant::now());
+        let ttl = Duration::from_secs(24 * 3600);
+        let mut store = ProviderStore::new(me, 1_000_000);
+        let mut most = 0;
+        for hour in 0..7 * 24u64 {
+            let t = now + Duration::from_secs(hour * 3600);
+            for i in 0..1_000 {
+                let mut r = record(&format!("sha256:{hour}-{i}"), PeerId::random());
+                r.expires = Some(t + ttl);
+                store.add_provider(r).unwrap();
+            }
+            store.expire(t);
+            most = most.max(store.providers.len());
+        }
+        // At most one TTL's worth (24 h + the hour just added): flat after the first day.
+        assert!(most <= 25_000, "{most} keys held");
+        assert!(store.providers.capacity() <= 4 * 25_000 * 2);
+        // Our own records are Kademlia's to re-announce, even when their expiry is past.
+        let mut own = record("sha256:own", me);
+        own.expires = Some(now);
+        store.add_provider(own).unwrap();
+        store.expire(now + Duration::from_secs(365 * 24 * 3600));
+        assert_eq!(store.provided().count(), 1);
+        assert_eq!(store.providers.len(), 1, "every other record expired");
+    }
+
+    #[test]
+    fn a_full_store_makes_room_from_expired_records_before_refusing() {
+        let mut store = ProviderStore::new(PeerId::random(), 1);
+        let mut old = record("k1", PeerId::random());
+        old.expires = Some(Instant::now() - Duration::from_secs(1));
+        store.add_provider(old).unwrap();
+        store.add_provider(record("k2", PeerId::random())).unwrap();
+        assert_eq!(store.providers(&RecordKey::new(&"k2")).len(), 1);
+        assert!(store.providers(&RecordKey::new(&"k1")).is_empty());
     }
 
     #[test]
