@@ -19,7 +19,7 @@ pub struct Cli {
     pub flags: Flags,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+#[derive(Debug, Clone, PartialEq, Eq, Subcommand)]
 pub enum Command {
     /// Run the daemon: write the mirror config, serve the registry API.
     Run,
@@ -29,6 +29,22 @@ pub enum Command {
     Cleanup,
     /// Print the version.
     Version,
+    /// Wait until the uninstall hook's cleanup DaemonSet has run on every node (the chart's
+    /// hook Job runs this); delete it if that does not happen in time.
+    WaitCleanup(WaitCleanupArgs),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct WaitCleanupArgs {
+    /// The cleanup DaemonSet's name.
+    #[arg(long, value_name = "NAME")]
+    pub daemonset: String,
+    /// Its namespace [default: the client's, i.e. the pod's own in a cluster]
+    #[arg(long, value_name = "NAMESPACE")]
+    pub namespace: Option<String>,
+    /// How long to wait before giving up (and deleting the DaemonSet).
+    #[arg(long, value_name = "DURATION", default_value = "5m")]
+    pub timeout: String,
 }
 
 /// Values are kept as text here and parsed in `config`, so that a bad value from any source

@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
-use ferry::cli::{Cli, Command};
+use ferry::cli::{Cli, Command, WaitCleanupArgs};
 use ferry::config::{Config, LogFormat};
 use ferry::containerd_config::{self, Action};
 
@@ -14,7 +14,7 @@ const EXIT_FAILURE: u8 = 1;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if cli.command == Command::Version {
+    if matches!(cli.command, Command::Version) {
         println!("ferry {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
     }
@@ -26,11 +26,12 @@ fn main() -> ExitCode {
         }
     };
     init_logging(&config);
-    let result = match cli.command {
+    let result = match &cli.command {
         Command::Run => run(config),
         Command::Configure => configure(&config),
         Command::Cleanup => cleanup(&config),
         Command::Version => Ok(()),
+        Command::WaitCleanup(args) => wait_cleanup(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -74,6 +75,31 @@ async fn shutdown_signal() {
         _ = int.recv() => {}
     }
 }
+
+fn wait_cleanup(args: &WaitCleanupArgs) -> anyhow::Result<()> {
+    use ferry::kubernetes::{self, cleanup_wait};
+    let timeout = ferry::config::duration("timeout", &args.timeout)?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let client = kubernetes::client().await?;
+        let settings = cleanup_wait::WaitSettings {
+            namespace: kubernetes::namespace(args.namespace.as_deref(), &client),
+            daemonset: args.daemonset.clone(),
+            timeout,
+            poll: WAIT_CLEANUP_POLL,
+        };
+        match cleanup_wait::wait(client, &settings, shutdown_signal()).await? {
+            cleanup_wait::Finished::Done => Ok(()),
+            cleanup_wait::Finished::GaveUp => anyhow::bail!(
+                "cleanup did not finish on every node within {}; its DaemonSet was deleted (nodes it did not reach keep Ferry's hosts.toml entries: run `ferry cleanup` there)",
+                args.timeout
+            ),
+        }
+    })
+}
+
+/// How often `wait-cleanup` looks at the DaemonSet: a GET per 2 s for a few minutes at most.
+const WAIT_CLEANUP_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn configure(config: &Config) -> anyhow::Result<()> {
     let outcomes =

@@ -329,3 +329,39 @@ fn every_rendered_object_is_valid_for_kubernetes_1_28_and_the_newest() {
         );
     }
 }
+
+/// Everything the chart runs, the uninstall hook included, is Ferry's own image (the hook's
+/// wait used `bitnami/kubectl`, no longer published under that name), and the hook may only
+/// read and delete its own cleanup DaemonSet.
+#[test]
+fn everything_the_chart_runs_is_ferrys_image_and_the_hook_touches_only_its_daemonset() {
+    let objects = render(&["image.repository=registry.example/ferry", "image.tag=1.2.3"]);
+    let mut images = Vec::new();
+    for o in &objects {
+        let spec = &o["spec"]["template"]["spec"];
+        for list in ["initContainers", "containers"] {
+            for c in spec[list].as_array().into_iter().flatten() {
+                images.push((o["kind"].to_string(), c["image"].to_string()));
+            }
+        }
+    }
+    let kinds: Vec<&str> = images.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(kinds.contains(&"\"Job\""), "{images:?}");
+    for (kind, image) in &images {
+        assert_eq!(image, "\"registry.example/ferry:1.2.3\"", "{kind}");
+    }
+    let job = objects.iter().find(|o| o["kind"] == "Job").unwrap();
+    let args = job["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+    assert!(
+        args.contains("wait-cleanup") && args.contains("--daemonset=ferry-cleanup"),
+        "{args}"
+    );
+    let role = objects
+        .iter()
+        .find(|o| o["kind"] == "Role" && o["metadata"]["name"] == "ferry-cleanup")
+        .unwrap();
+    assert_eq!(
+        role["rules"],
+        serde_json::json!([{"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["ferry-cleanup"], "verbs": ["get", "delete"]}])
+    );
+}

@@ -315,3 +315,81 @@ fn containerd_view(c: &Containerd) -> Containerd {
         netns: None,
     }
 }
+
+/// The uninstall hook's wait (`ferry wait-cleanup`, the real binary): it returns once the
+/// cleanup DaemonSet is ready on every node and leaves the DaemonSet to Helm; when that does
+/// not happen in time it deletes the DaemonSet itself (Helm leaves a failed hook's objects
+/// behind, which would keep the cleanup pods on every node for good) and fails.
+#[test]
+fn the_uninstall_wait_succeeds_once_every_node_is_cleaned_and_never_leaves_the_daemonset() {
+    let rt = runtime();
+    let tmp = tempfile::tempdir().unwrap();
+    let cluster: Shared = Arc::new(Mutex::new(Cluster::default()));
+    let api = rt.block_on(kube_api::serve(cluster.clone()));
+    let kubeconfig = kube_api::kubeconfig(tmp.path(), &format!("http://{api}"));
+    let wait = |timeout: &str| {
+        std::process::Command::new(Ferry::bin())
+            .args([
+                "wait-cleanup",
+                "--daemonset",
+                "ferry-cleanup",
+                "--timeout",
+                timeout,
+            ])
+            .env("KUBECONFIG", &kubeconfig)
+            .output()
+            .unwrap()
+    };
+    let deletes = |cluster: &Shared| {
+        cluster
+            .lock()
+            .unwrap()
+            .requests
+            .iter()
+            .filter(|(m, p, _)| m == "DELETE" && p.contains("/daemonsets/ferry-cleanup"))
+            .count()
+    };
+
+    // 1 of 3 nodes cleaned; the other two finish 3 s later.
+    cluster
+        .lock()
+        .unwrap()
+        .daemonsets
+        .push(kube_api::daemonset("ferry-cleanup", 3, 1));
+    let finisher = {
+        let cluster = cluster.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(3));
+            let mut c = cluster.lock().unwrap();
+            c.daemonsets[0]["status"]["numberReady"] = json!(3);
+        })
+    };
+    let started = Instant::now();
+    let out = wait("60s");
+    finisher.join().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "returned before every node was cleaned"
+    );
+    assert_eq!(
+        deletes(&cluster),
+        0,
+        "on success the DaemonSet is Helm's to delete"
+    );
+
+    // Never finishes: after its timeout the wait deletes the DaemonSet and fails.
+    {
+        let mut c = cluster.lock().unwrap();
+        c.daemonsets[0] = kube_api::daemonset("ferry-cleanup", 3, 2);
+    }
+    let out = wait("3s");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("was deleted"), "{stderr}");
+    assert_eq!(deletes(&cluster), 1);
+    assert!(
+        cluster.lock().unwrap().daemonsets.is_empty(),
+        "the DaemonSet is gone"
+    );
+}

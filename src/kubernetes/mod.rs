@@ -1,4 +1,5 @@
-//! Kubernetes: peer bootstrap from the pods of Ferry's DaemonSet, and the node-ready taint.
+//! Kubernetes: peer bootstrap from the pods of Ferry's DaemonSet, the node-ready taint, and
+//! the uninstall hook's wait (`ferry wait-cleanup`).
 //!
 //! The API server is reached the standard way (in-cluster service account, or `KUBECONFIG`),
 //! never through cluster DNS, which runs in the pod network and waits for the CNI like
@@ -6,6 +7,7 @@
 //! delays neither the hosts.toml entries nor a single pull.
 
 pub mod bootstrap;
+pub mod cleanup_wait;
 pub mod taint;
 
 /// A client from the in-cluster configuration or `KUBECONFIG`. Reads local files only.

@@ -1,5 +1,5 @@
-//! A stand-in for the Kubernetes API server (none can run here): pods, nodes and events,
-//! answering the requests kube-rs sends, recording every request it gets.
+//! A stand-in for the Kubernetes API server (none can run here): pods, nodes, events and
+//! DaemonSets, answering the requests kube-rs sends, recording every request it gets.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -18,6 +18,7 @@ pub struct Cluster {
     pub pods: Vec<Value>,
     pub nodes: Vec<Value>,
     pub events: Vec<Value>,
+    pub daemonsets: Vec<Value>,
     /// (method, path?query, content-type)
     pub requests: Vec<(String, String, String)>,
     pub resource_version: u64,
@@ -47,6 +48,10 @@ pub async fn serve(cluster: Shared) -> SocketAddr {
     let app = Router::new()
         .route("/api/v1/namespaces/{ns}/pods", get(pods))
         .route("/api/v1/nodes/{name}", get(get_node).patch(patch_node))
+        .route(
+            "/apis/apps/v1/namespaces/{ns}/daemonsets/{name}",
+            get(get_daemonset).delete(delete_daemonset),
+        )
         .route(
             "/api/v1/namespaces/{ns}/events",
             axum::routing::post(create_event),
@@ -180,6 +185,44 @@ async fn create_event(
     ));
     c.lock().expect("lock").events.push(event.clone());
     (StatusCode::CREATED, axum::Json(event)).into_response()
+}
+
+/// A DaemonSet in namespace `ferry` whose pods are ready on `ready` of `desired` nodes.
+pub fn daemonset(name: &str, desired: i32, ready: i32) -> Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": "ferry", "generation": 1, "resourceVersion": "1", "uid": format!("uid-{name}")},
+        "spec": {"selector": {"matchLabels": {"app": name}}, "template": {"metadata": {"labels": {"app": name}}, "spec": {"containers": [{"name": "done", "image": "ferry"}]}}},
+        "status": {"observedGeneration": 1, "desiredNumberScheduled": desired, "currentNumberScheduled": desired, "updatedNumberScheduled": desired, "numberReady": ready, "numberMisscheduled": 0}
+    })
+}
+
+fn find_daemonset(c: &Cluster, ns: &str, name: &str) -> Option<usize> {
+    c.daemonsets
+        .iter()
+        .position(|d| d["metadata"]["namespace"] == ns && d["metadata"]["name"] == name)
+}
+
+async fn get_daemonset(
+    State(c): State<Shared>,
+    UrlPath((ns, name)): UrlPath<(String, String)>,
+) -> Response {
+    let c = c.lock().expect("lock");
+    match find_daemonset(&c, &ns, &name) {
+        Some(i) => axum::Json(c.daemonsets[i].clone()).into_response(),
+        None => not_found(&name),
+    }
+}
+
+async fn delete_daemonset(
+    State(c): State<Shared>,
+    UrlPath((ns, name)): UrlPath<(String, String)>,
+) -> Response {
+    let mut c = c.lock().expect("lock");
+    match find_daemonset(&c, &ns, &name) {
+        Some(i) => axum::Json(c.daemonsets.remove(i)).into_response(),
+        None => not_found(&name),
+    }
 }
 
 fn not_found(name: &str) -> Response {
