@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)] // benchmark inputs are fixed and valid
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use ferry::containerd_config::hosts;
+use ferry::containerd_config::hosts::{self, Ipv6Hosts};
 use ferry::oci::{Digest, path, range};
 
 fn sha256_verification(c: &mut Criterion) {
@@ -44,15 +44,29 @@ fn parsers(c: &mut Criterion) {
 
 fn hosts_merge(c: &mut Criterion) {
     let existing = "server = \"https://registry-1.docker.io\"\n\n# the operator's cache\n[host.\"https://mirror.example\"]\n  capabilities = [\"pull\", \"resolve\"]\n  ca = \"/etc/pki/ca.pem\"\n\n[host.\"https://registry-1.docker.io\"]\n  capabilities = [\"pull\", \"resolve\"]\n";
-    let merged = match hosts::merge(existing, "http://127.0.0.1:5480").unwrap() {
+    let merged = match hosts::merge(existing, "http://127.0.0.1:5480", Ipv6Hosts::Dotted).unwrap() {
         hosts::Merged::Updated(text) => text,
         other => panic!("{other:?}"),
     };
     c.bench_function("hosts/merge", |b| {
-        b.iter(|| hosts::merge(std::hint::black_box(existing), "http://127.0.0.1:5480").unwrap())
+        b.iter(|| {
+            hosts::merge(
+                std::hint::black_box(existing),
+                "http://127.0.0.1:5480",
+                Ipv6Hosts::Dotted,
+            )
+            .unwrap()
+        })
     });
     c.bench_function("hosts/merge-again-unchanged", |b| {
-        b.iter(|| hosts::merge(std::hint::black_box(&merged), "http://127.0.0.1:5480").unwrap())
+        b.iter(|| {
+            hosts::merge(
+                std::hint::black_box(&merged),
+                "http://127.0.0.1:5480",
+                Ipv6Hosts::Dotted,
+            )
+            .unwrap()
+        })
     });
     c.bench_function("hosts/cleanup", |b| {
         b.iter(|| hosts::cleanup(std::hint::black_box(&merged)))

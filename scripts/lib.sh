@@ -56,7 +56,7 @@ ensure_helm_binary() {
     fi
     export FERRY_HELM="$dir/helm/helm"
     # The chart tests read `helm template`'s YAML with PyYAML, and check every object against
-    # the Kubernetes schemas with kubernetes-validate.
+    # the Kubernetes schemas with kubernetes-validate...
     python3 -c 'import yaml' 2>/dev/null || {
         echo "==> installing PyYAML from PyPI"
         python3 -m pip install --quiet pyyaml
@@ -64,6 +64,11 @@ ensure_helm_binary() {
     python3 -c 'import kubernetes_validate' 2>/dev/null || {
         echo "==> installing kubernetes-validate from PyPI"
         python3 -m pip install --quiet kubernetes-validate
+    }
+    # ... and evaluate the node policy's CEL with cel-python.
+    python3 -c 'import celpy' 2>/dev/null || {
+        echo "==> installing cel-python from PyPI"
+        python3 -m pip install --quiet cel-python
     }
 }
 

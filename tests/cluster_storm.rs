@@ -223,11 +223,16 @@ fn four_nodes_pulling_one_new_image_at_once_fetch_each_blob_upstream_once() {
         }
     }
     each_fetched_once(&c.registry, since, &image, "two namespaces on one node");
+    // containerd 1.x sends both namespaces' requests for a digest, and the second reads the
+    // first one's download; 2.x fetches a digest once for both namespaces itself (seen with
+    // 2.1.9: one request per digest reached the mirror), so there is nothing to share.
     let shared = node.metric("ferry_coalesce_total{role=\"local\",result=\"shared\"}");
-    assert!(
-        shared >= 1,
-        "the second namespace read the first one's download: {shared}"
-    );
+    if containerd_major() < 2 {
+        assert!(
+            shared >= 1,
+            "the second namespace read the first one's download: {shared}"
+        );
+    }
 
     drop(c);
     drop(tmp);

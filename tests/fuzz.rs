@@ -9,7 +9,7 @@
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ferry::containerd_config::hosts::{self, BLOCK_BEGIN, Cleaned, Merged};
+use ferry::containerd_config::hosts::{self, BLOCK_BEGIN, Cleaned, Ipv6Hosts, Merged};
 use ferry::oci::Digest;
 use ferry::oci::path::{ApiPath, Reference, parse};
 use ferry::oci::range;
@@ -255,7 +255,7 @@ fn fuzz_hosts_merge_is_correct_or_refused_never_corrupt() {
         },
     );
     fuzz("hosts", doc, |input| {
-        match hosts::merge(input, mirror) {
+        match hosts::merge(input, mirror, Ipv6Hosts::Dotted) {
             // Refused: the caller leaves the file as it is.
             Err(_) => {}
             Ok(Merged::Unchanged) | Ok(Merged::OperatorEntry) => {
@@ -273,7 +273,7 @@ fn fuzz_hosts_merge_is_correct_or_refused_never_corrupt() {
                     "no mirror entry:\n{out}"
                 );
                 // Merging again changes nothing.
-                let again = hosts::merge(&out, mirror).ok();
+                let again = hosts::merge(&out, mirror, Ipv6Hosts::Dotted).ok();
                 prop_assert!(
                     matches!(again, Some(Merged::Unchanged | Merged::OperatorEntry)),
                     "second merge: {again:?}"

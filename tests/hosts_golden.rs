@@ -6,7 +6,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use ferry::containerd_config::hosts::{self, Cleaned, Merged};
+use ferry::containerd_config::hosts::{self, Cleaned, Ipv6Hosts, Merged};
 
 const MIRROR: &str = "http://127.0.0.1:5480";
 
@@ -28,7 +28,7 @@ fn merge_matches_golden_files_and_cleanup_restores_the_input() {
     for case in cases() {
         let name = case.file_name().unwrap().to_string_lossy().to_string();
         let input = fs::read_to_string(case.join("input.toml")).unwrap();
-        let result = hosts::merge(&input, MIRROR);
+        let result = hosts::merge(&input, MIRROR, Ipv6Hosts::Dotted);
 
         if let Ok(fragment) = fs::read_to_string(case.join("expected.error")) {
             let err = result.expect_err(&format!("{name}: must be refused"));
@@ -61,7 +61,7 @@ fn merge_matches_golden_files_and_cleanup_restores_the_input() {
         );
 
         // Run twice: nothing changes.
-        let again = hosts::merge(&merged, MIRROR).unwrap();
+        let again = hosts::merge(&merged, MIRROR, Ipv6Hosts::Dotted).unwrap();
         assert!(
             matches!(again, Merged::Unchanged | Merged::OperatorEntry),
             "{name}: second merge changed the file: {again:?}"
@@ -111,7 +111,7 @@ fn new_files_are_deleted_by_cleanup() {
         (Some("ghcr.io"), false),
         (None, true),
     ] {
-        let text = hosts::new_file(host, MIRROR, created_dir);
+        let text = hosts::new_file(host, MIRROR, Ipv6Hosts::Dotted, created_dir);
         if host == Some("docker.io") {
             assert!(
                 text.contains("server = \"https://registry-1.docker.io\""),
@@ -125,14 +125,17 @@ fn new_files_are_deleted_by_cleanup() {
             );
         }
         assert!(text.contains(&format!("[host.\"{MIRROR}\"]")));
-        assert_eq!(hosts::merge(&text, MIRROR), Ok(Merged::Unchanged));
+        assert_eq!(
+            hosts::merge(&text, MIRROR, Ipv6Hosts::Dotted),
+            Ok(Merged::Unchanged)
+        );
         assert_eq!(hosts::cleanup(&text), Cleaned::Delete { dir: created_dir });
     }
 }
 
 #[test]
 fn a_file_ferry_created_and_the_operator_edited_is_kept() {
-    let text = hosts::new_file(Some("ghcr.io"), MIRROR, false);
+    let text = hosts::new_file(Some("ghcr.io"), MIRROR, Ipv6Hosts::Dotted, false);
     let edited =
         format!("{text}\n[host.\"https://ops-added.example\"]\n  capabilities = [\"pull\"]\n");
     match hosts::cleanup(&edited) {
@@ -148,10 +151,12 @@ fn mirror_url_change_replaces_the_block_in_place() {
             .join("tests/golden/hosts/dockerhub-operator-mirror/input.toml"),
     )
     .unwrap();
-    let Merged::Updated(first) = hosts::merge(&input, MIRROR).unwrap() else {
+    let Merged::Updated(first) = hosts::merge(&input, MIRROR, Ipv6Hosts::Dotted).unwrap() else {
         panic!("first merge must update");
     };
-    let Merged::Updated(second) = hosts::merge(&first, "http://127.0.0.1:7000").unwrap() else {
+    let Merged::Updated(second) =
+        hosts::merge(&first, "http://127.0.0.1:7000", Ipv6Hosts::Dotted).unwrap()
+    else {
         panic!("a new mirror URL must update");
     };
     assert!(!second.contains("5480") && second.contains("7000"));

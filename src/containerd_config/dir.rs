@@ -4,7 +4,7 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::hosts::{self, Cleaned, Merged};
+use super::hosts::{self, Cleaned, Ipv6Hosts, Merged};
 use crate::oci::registry::Registries;
 
 const HOSTS_FILE: &str = "hosts.toml";
@@ -71,6 +71,7 @@ pub fn configure(
     hosts_dir: &Path,
     registries: &Registries,
     mirror_url: &str,
+    ipv6: Ipv6Hosts,
 ) -> Result<Vec<Outcome>, DirError> {
     fs::create_dir_all(hosts_dir).map_err(io_err(hosts_dir))?;
     let targets: Vec<String> = match registries {
@@ -86,11 +87,18 @@ pub fn configure(
     };
     Ok(targets
         .iter()
-        .map(|host| configure_one(hosts_dir, host, mirror_url).unwrap_or_else(DirError::outcome))
+        .map(|host| {
+            configure_one(hosts_dir, host, mirror_url, ipv6).unwrap_or_else(DirError::outcome)
+        })
         .collect())
 }
 
-fn configure_one(hosts_dir: &Path, host: &str, mirror_url: &str) -> Result<Outcome, DirError> {
+fn configure_one(
+    hosts_dir: &Path,
+    host: &str,
+    mirror_url: &str,
+    ipv6: Ipv6Hosts,
+) -> Result<Outcome, DirError> {
     let dir = hosts_dir.join(host);
     let path = dir.join(HOSTS_FILE);
     let server_host = (host != DEFAULT_DIR).then_some(host);
@@ -103,7 +111,7 @@ fn configure_one(hosts_dir: &Path, host: &str, mirror_url: &str) -> Result<Outco
 
     if !dir.exists() {
         fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-        write_atomic(&path, &hosts::new_file(server_host, mirror_url, true))?;
+        write_atomic(&path, &hosts::new_file(server_host, mirror_url, ipv6, true))?;
         return outcome(Action::Created);
     }
     let existing = match fs::read(&path) {
@@ -115,7 +123,10 @@ fn configure_one(hosts_dir: &Path, host: &str, mirror_url: &str) -> Result<Outco
                     "certificate files and no hosts.toml: adding one would drop them".into(),
                 ));
             }
-            write_atomic(&path, &hosts::new_file(server_host, mirror_url, false))?;
+            write_atomic(
+                &path,
+                &hosts::new_file(server_host, mirror_url, ipv6, false),
+            )?;
             return outcome(Action::Created);
         }
         Err(e) => return Err(io_err(&path)(e)),
@@ -123,7 +134,7 @@ fn configure_one(hosts_dir: &Path, host: &str, mirror_url: &str) -> Result<Outco
     let Ok(text) = String::from_utf8(existing) else {
         return outcome(Action::Skipped("not UTF-8 text; left untouched".into()));
     };
-    match hosts::merge(&text, mirror_url) {
+    match hosts::merge(&text, mirror_url, ipv6) {
         Ok(Merged::Unchanged) => outcome(Action::Unchanged),
         Ok(Merged::OperatorEntry) => outcome(Action::OperatorEntry),
         Ok(Merged::Updated(new)) => {

@@ -17,6 +17,36 @@ pub const CREATED_FILE: &str =
 pub const CREATED_DIR: &str =
     "# ferry: this file and its directory were created by ferry; `ferry cleanup` deletes both";
 
+/// How a host whose URL holds an IPv6 address (`http://[fd00::5]:5480`) is written. No one
+/// form works on every containerd (each checked by hand with 1.6.20, 1.7.24 and 2.1.9):
+/// - containerd 1.6 and 1.7 read hosts.toml with go-toml v1, which refuses a `]` inside a
+///   table header, quoted or escaped ("table key cannot contain ']'"), and then drop the whole
+///   file (the operator's CA, credentials helper, other mirrors). A dotted key among the root
+///   keys (`host."http://[fd00::5]:5480".capabilities = [...]`) parses, and since they order
+///   hosts by line, it still comes first.
+/// - containerd 2.x reads only `[host."..."]` tables: a dotted or inline entry is ignored.
+///
+/// `Dotted` is the default, because it is the form that can never break a pull: on 2.x the
+/// entry is ignored (no mirror on that node) but the file still works. Ferry switches to
+/// `Tables` once containerd says it is 2.x or later.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Ipv6Hosts {
+    #[default]
+    Dotted,
+    Tables,
+}
+
+impl Ipv6Hosts {
+    /// The form for containerd of major version `major`.
+    pub fn for_containerd(major: u32) -> Self {
+        if major >= 2 {
+            Ipv6Hosts::Tables
+        } else {
+            Ipv6Hosts::Dotted
+        }
+    }
+}
+
 /// The capabilities a mirror gets: it may serve pulls and resolve tags, never pushes.
 const CAPABILITIES: &str = r#"["pull", "resolve"]"#;
 
@@ -69,7 +99,12 @@ pub fn default_server(host: &str) -> String {
 
 /// The text of a new `hosts.toml`: for a registry host (`Some`) with its `server`, for
 /// `_default` (`None`) without one, since there the server is each registry's own.
-pub fn new_file(host: Option<&str>, mirror_url: &str, created_dir: bool) -> String {
+pub fn new_file(
+    host: Option<&str>,
+    mirror_url: &str,
+    ipv6: Ipv6Hosts,
+    created_dir: bool,
+) -> String {
     let mut skeleton = String::new();
     skeleton.push_str(if created_dir {
         CREATED_DIR
@@ -82,11 +117,11 @@ pub fn new_file(host: Option<&str>, mirror_url: &str, created_dir: bool) -> Stri
     }
     // A fresh skeleton always has the simple layout, so the merge cannot fail; fall back to
     // the plain concatenation the merge would produce anyway.
-    match merge(&skeleton, mirror_url) {
+    match merge(&skeleton, mirror_url, ipv6) {
         Ok(Merged::Updated(text)) => text,
         _ => format!(
             "{skeleton}\n{}",
-            block(mirror_url, mirror_url.contains('['), "\n")
+            block(mirror_url, dotted_url(mirror_url, ipv6), "\n")
         ),
     }
 }
@@ -104,23 +139,24 @@ fn block(mirror_url: &str, dotted: bool, eol: &str) -> String {
     )
 }
 
+fn dotted_url(mirror_url: &str, ipv6: Ipv6Hosts) -> bool {
+    mirror_url.contains('[') && ipv6 == Ipv6Hosts::Dotted
+}
+
 /// Whether Ferry's entry is written as a dotted key among the root keys instead of a
-/// `[host."..."]` table. containerd before 2.0 reads hosts.toml with go-toml v1, which refuses
-/// a `]` inside a table header, quoted or not ("table key cannot contain ']'"):
-/// `[host."http://[fd00::5]:5480"]` makes it drop the whole file. The dotted form parses, and
-/// containerd orders hosts by line, so it still comes first (checked with containerd 1.6.20).
-/// An operator's IPv6 host is written that way for the same reason, and a table of Ferry's
-/// cannot come before a root key, so then Ferry's entry is dotted too, whatever its URL.
-fn needs_dotted(doc: &Document<&str>, mirror_url: &str) -> bool {
+/// `[host."..."]` table: for an IPv6 URL on containerd 1.x (see [`Ipv6Hosts`]), and when the
+/// operator's file already has dotted hosts (their IPv6 registries on 1.x), since a table of
+/// Ferry's cannot come before a root key.
+fn needs_dotted(doc: &Document<&str>, mirror_url: &str, ipv6: Ipv6Hosts) -> bool {
     let operator_dotted = doc.get("host").and_then(|h| h.as_table()).is_some_and(|h| {
         h.iter()
             .any(|(_, item)| item.as_table().is_some_and(|t| t.is_dotted()))
     });
-    mirror_url.contains('[') || operator_dotted
+    dotted_url(mirror_url, ipv6) || operator_dotted
 }
 
 /// Adds Ferry's mirror entry to `existing`, first among the host tables.
-pub fn merge(existing: &str, mirror_url: &str) -> Result<Merged, MergeError> {
+pub fn merge(existing: &str, mirror_url: &str, ipv6: Ipv6Hosts) -> Result<Merged, MergeError> {
     // Start from the operator's own bytes: an earlier block of ours (perhaps for another URL,
     // perhaps no longer first) is taken out and the merge is done afresh.
     let base = remove_block(existing)?.unwrap_or_else(|| existing.to_string());
@@ -146,7 +182,7 @@ pub fn merge(existing: &str, mirror_url: &str) -> Result<Merged, MergeError> {
             })
             .min()
     };
-    let dotted = needs_dotted(&doc, mirror_url);
+    let dotted = needs_dotted(&doc, mirror_url, ipv6);
     let first_host = hosts.iter().map(|(_, start)| *start).min();
     let place = if dotted {
         first_table(&doc).into_iter().chain(first_host).min()
@@ -423,7 +459,7 @@ mod tests {
     const V6_MIRROR: &str = "http://[fd00::5]:30480";
 
     fn merged(input: &str, mirror: &str) -> String {
-        match merge(input, mirror).unwrap() {
+        match merge(input, mirror, Ipv6Hosts::Dotted).unwrap() {
             Merged::Updated(text) => text,
             other => panic!("{other:?}"),
         }
@@ -444,7 +480,10 @@ mod tests {
             "no table header holds a ']'"
         );
         // Run again: nothing changes; cleanup gives back the operator's bytes.
-        assert_eq!(merge(&text, V6_MIRROR).unwrap(), Merged::Unchanged);
+        assert_eq!(
+            merge(&text, V6_MIRROR, Ipv6Hosts::Dotted).unwrap(),
+            Merged::Unchanged
+        );
         assert_eq!(cleanup(&text), Cleaned::Restored(input.to_string()));
         let (listed, server) = upstreams(&text, V6_MIRROR).unwrap();
         assert!(
@@ -472,8 +511,26 @@ mod tests {
     }
 
     #[test]
+    fn on_containerd_2_an_ipv6_mirror_is_a_table_as_any_other() {
+        let input = "server = \"https://registry.example\"\n";
+        let Merged::Updated(text) = merge(input, V6_MIRROR, Ipv6Hosts::Tables).unwrap() else {
+            panic!()
+        };
+        assert!(text.contains(&format!("[host.\"{V6_MIRROR}\"]")), "{text}");
+        verify(&text, V6_MIRROR).unwrap();
+        // A Ferry that learns containerd is 2.x rewrites its dotted entry as a table.
+        let dotted = merged(input, V6_MIRROR);
+        assert_eq!(
+            merge(&dotted, V6_MIRROR, Ipv6Hosts::Tables).unwrap(),
+            Merged::Updated(text)
+        );
+        assert_eq!(Ipv6Hosts::for_containerd(1), Ipv6Hosts::Dotted);
+        assert_eq!(Ipv6Hosts::for_containerd(2), Ipv6Hosts::Tables);
+    }
+
+    #[test]
     fn a_new_file_for_an_ipv6_mirror_parses_with_ferry_first() {
-        let text = new_file(Some("[fd00::1]:5000"), V6_MIRROR, true);
+        let text = new_file(Some("[fd00::1]:5000"), V6_MIRROR, Ipv6Hosts::Dotted, true);
         assert!(
             text.contains(&format!("host.\"{V6_MIRROR}\".capabilities")),
             "{text}"

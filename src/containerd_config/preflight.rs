@@ -9,33 +9,126 @@ pub type Warning = String;
 const CRI_V2: &str = "io.containerd.grpc.v1.cri";
 const CRI_V3_IMAGES: &str = "io.containerd.cri.v1.images";
 
-/// Checks `config_file` against what Ferry needs. A missing file yields nothing: containerd
-/// runs on defaults, and plain `ctr --hosts-dir` pulls work regardless.
+/// At most this many files are read through `imports` (containerd follows them recursively).
+const MAX_IMPORTS: usize = 64;
+
+/// Checks `config_file`, with the files it `imports`, against what Ferry needs. A missing file
+/// is a warning (containerd then runs on its defaults, where CRI's `config_path` is unset
+/// before 2.0), never a failure.
 pub fn check(config_file: &Path, hosts_dir: &Path) -> Vec<Warning> {
-    let text = match std::fs::read_to_string(config_file) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
-        Err(e) => {
-            return vec![format!(
-                "cannot read containerd config {}: {e}",
-                config_file.display()
-            )];
-        }
-    };
-    let doc: toml::Table = match text.parse() {
-        Ok(d) => d,
-        Err(e) => {
-            return vec![format!(
+    match load(config_file) {
+        Ok(doc) => check_table(&doc, hosts_dir)
+            .into_iter()
+            .map(|w| format!("containerd config {}: {w}", config_file.display()))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![format!(
+            "no containerd config at {}: containerd runs on its defaults, where (before 2.0) CRI's config_path is unset and kubelet's pulls do not use Ferry; point --containerd-config at the config containerd uses, or set config_path = \"{}\" in it",
+            config_file.display(),
+            hosts_dir.display()
+        )],
+        Err(e) => vec![e.to_string()],
+    }
+}
+
+/// The config as containerd sees it: `config_file`, then each file it imports (globs with
+/// `*`, relative paths from the importing file's directory, recursively, each once), merged
+/// over it in order: a table merged key by key, any other value replaced, arrays appended to
+/// (containerd 1.7 and 2.x, `mergeConfig`).
+fn load(config_file: &Path) -> std::io::Result<toml::Table> {
+    let read = |path: &Path| -> std::io::Result<toml::Table> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            let what = format!("cannot read containerd config {}: {e}", path.display());
+            std::io::Error::new(e.kind(), what)
+        })?;
+        text.parse().map_err(|e: toml::de::Error| {
+            let what = format!(
                 "containerd config {} is not valid TOML: {}",
-                config_file.display(),
+                path.display(),
                 e.message()
-            )];
-        }
+            );
+            std::io::Error::new(std::io::ErrorKind::InvalidData, what)
+        })
     };
-    check_table(&doc, hosts_dir)
-        .into_iter()
-        .map(|w| format!("containerd config {}: {w}", config_file.display()))
-        .collect()
+    let mut merged = read(config_file)?;
+    let mut seen = vec![config_file.to_path_buf()];
+    let mut pending = imports(&merged, config_file);
+    while let Some(path) = pending.first().cloned() {
+        pending.remove(0);
+        if seen.contains(&path) || seen.len() > MAX_IMPORTS {
+            continue;
+        }
+        seen.push(path.clone());
+        // containerd fails to start on an import it cannot read; so would this check.
+        let doc = read(&path)?;
+        pending.extend(imports(&doc, &path));
+        merge_into(&mut merged, doc);
+    }
+    Ok(merged)
+}
+
+/// The files `doc` (read from `path`) imports, globs expanded in sorted order.
+fn imports(doc: &toml::Table, path: &Path) -> Vec<std::path::PathBuf> {
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    let listed = doc.get("imports").and_then(|v| v.as_array());
+    let mut out = Vec::new();
+    for entry in listed.into_iter().flatten().filter_map(|v| v.as_str()) {
+        let full = dir.join(entry);
+        if entry.contains('*') {
+            out.extend(glob(&full));
+        } else {
+            out.push(full);
+        }
+    }
+    out
+}
+
+/// `*` and `?` in the last path component (how imports are written: `conf.d/*.toml`).
+fn glob(pattern: &Path) -> Vec<std::path::PathBuf> {
+    let (Some(dir), Some(name)) = (pattern.parent(), pattern.file_name()) else {
+        return Vec::new();
+    };
+    let name = name.to_string_lossy();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<_> = entries
+        .filter_map(Result::ok)
+        .filter(|e| matches(&name, &e.file_name().to_string_lossy()))
+        .map(|e| e.path())
+        .collect();
+    found.sort();
+    found
+}
+
+fn matches(pattern: &str, name: &str) -> bool {
+    match (pattern.chars().next(), name.chars().next()) {
+        (None, None) => true,
+        (Some('*'), _) => {
+            matches(&pattern[1..], name)
+                || (!name.is_empty()
+                    && matches(
+                        pattern,
+                        &name[name.chars().next().map_or(0, char::len_utf8)..],
+                    ))
+        }
+        (Some('?'), Some(c)) => matches(&pattern[1..], &name[c.len_utf8()..]),
+        (Some(p), Some(c)) if p == c => matches(&pattern[p.len_utf8()..], &name[c.len_utf8()..]),
+        _ => false,
+    }
+}
+
+fn merge_into(to: &mut toml::Table, from: toml::Table) {
+    for (key, value) in from {
+        match (to.get_mut(&key), value) {
+            (Some(toml::Value::Table(a)), toml::Value::Table(b)) => merge_into(a, b),
+            (Some(toml::Value::Array(a)), toml::Value::Array(b)) => {
+                a.extend(b.into_iter().filter(|v| !a.contains(v)).collect::<Vec<_>>());
+            }
+            (_, value) => {
+                to.insert(key, value);
+            }
+        }
+    }
 }
 
 fn check_table(doc: &toml::Table, hosts_dir: &Path) -> Vec<Warning> {
@@ -152,7 +245,59 @@ version = 2
     }
 
     #[test]
-    fn missing_file_is_silent() {
-        assert!(check(Path::new("/nonexistent/config.toml"), Path::new("/x")).is_empty());
+    fn a_missing_config_is_a_warning_that_says_what_to_do() {
+        let w = check(Path::new("/nonexistent/config.toml"), Path::new("/x"));
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("no containerd config") && w[0].contains("config_path"));
+    }
+
+    /// A real config that sets `config_path` in a drop-in file (how k3s-style and many
+    /// distribution configs are split) gets no false warning; a drop-in can also undo it.
+    #[test]
+    fn imports_are_followed_and_merged_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let main = dir.path().join("config.toml");
+        std::fs::create_dir(dir.path().join("conf.d")).unwrap();
+        std::fs::write(
+            &main,
+            "version = 2\nimports = [\"conf.d/*.toml\"]\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"overlayfs\"\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("conf.d/10-registry.toml"),
+            "[plugins.\"io.containerd.grpc.v1.cri\".registry]\n  config_path = \"/etc/containerd/certs.d\"\n",
+        )
+        .unwrap();
+        let hosts = Path::new("/etc/containerd/certs.d");
+        assert!(check(&main, hosts).is_empty(), "{:?}", check(&main, hosts));
+        let merged = load(&main).unwrap();
+        let cri = &merged["plugins"]["io.containerd.grpc.v1.cri"];
+        assert_eq!(cri["containerd"]["snapshotter"].as_str(), Some("overlayfs"));
+
+        // A later file (sorted) that discards layers, importing another that points
+        // config_path elsewhere.
+        std::fs::write(
+            dir.path().join("conf.d/20-discard.toml"),
+            "imports = [\"../other.toml\"]\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  discard_unpacked_layers = true\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("other.toml"),
+            "[plugins.\"io.containerd.grpc.v1.cri\".registry]\n  config_path = \"/etc/docker/certs.d\"\n",
+        )
+        .unwrap();
+        let w = check(&main, hosts);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w.iter().any(|w| w.contains("discard_unpacked_layers")));
+        assert!(w.iter().any(|w| w.contains("/etc/docker/certs.d")));
+    }
+
+    #[test]
+    fn glob_patterns_match_like_containerds() {
+        assert!(matches("*.toml", "10-registry.toml"));
+        assert!(matches("?0-*.toml", "10-a.toml"));
+        assert!(!matches("*.toml", "registry.toml.bak"));
+        assert!(matches("*", ""));
+        assert!(!matches("a", ""));
     }
 }

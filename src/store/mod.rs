@@ -76,6 +76,12 @@ pub trait ContentStore: Send + Sync + 'static {
     /// Does the store answer at all? Drives `/readyz` and the `containerd_up` metric.
     async fn healthy(&self) -> bool;
 
+    /// The major version of the containerd behind the store, when there is one and it
+    /// answers: the hosts.toml syntax for IPv6 hosts depends on it.
+    async fn containerd_major(&self) -> Option<u32> {
+        None
+    }
+
     /// Every named image.
     async fn images(&self) -> Result<Vec<ImageRecord>, StoreError>;
 

@@ -19,6 +19,8 @@ pub struct Node {
     pub containerd: Containerd,
     pub ferry: Proc,
     args: Vec<String>,
+    /// Where its mirror listens (`127.0.0.1:5480`, as with the chart's host networking).
+    mirror: SocketAddr,
     /// Flags added at the next (re)start, after `args` (later flags are not allowed to repeat
     /// earlier ones: pass only flags `args` lacks).
     extra: Vec<String>,
@@ -35,15 +37,31 @@ impl Node {
         registry: SocketAddr,
         args: &[&str],
     ) -> Node {
+        let loopback = "127.0.0.1:5480".parse().expect("addr");
+        Self::start_with_mirror(net, dir, name, host, registry, loopback, args)
+    }
+
+    /// As [`Node::start`], its mirror listening on `mirror` (the chart's pod-network mode
+    /// listens on `[::]`; pass `--mirror-allow-remote` and `--mirror-target` in `args`).
+    pub fn start_with_mirror(
+        net: &mut Net,
+        dir: &Path,
+        name: &str,
+        host: u8,
+        registry: SocketAddr,
+        mirror: SocketAddr,
+        args: &[&str],
+    ) -> Node {
         let ns = net.add_host(name, host);
         let ip = net.host_ip(host);
         let node_dir = dir.join(name);
         let containerd = Containerd::start_in(&node_dir, Some(&ns));
         let own = containerd.hosts_dir.join(registry.to_string());
         std::fs::create_dir_all(&own).expect("hosts dir");
-        // containerd 1.6 and 1.7 cannot read a `]` in a table header: an IPv6 host is
-        // written as a dotted key, as an operator on those versions must.
-        let host = if registry.is_ipv6() {
+        // containerd 1.6 and 1.7 cannot read a `]` in a table header: there an IPv6 host is
+        // written as a dotted key, as an operator on those versions must (2.x reads tables
+        // only).
+        let host = if registry.is_ipv6() && super::containerd_major() < 2 {
             format!("host.\"http://{registry}\".capabilities = [\"pull\", \"resolve\"]\n")
         } else {
             format!("\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n")
@@ -64,6 +82,7 @@ impl Node {
                 log: PathBuf::new(),
             },
             args: args.iter().map(|a| a.to_string()).collect(),
+            mirror,
             extra: Vec::new(),
             starts: 0,
         };
@@ -88,7 +107,7 @@ impl Node {
 
     /// Starts this node's Ferry (stopped before) and returns at once.
     pub fn spawn_ferry(&mut self) {
-        let mirror: SocketAddr = "127.0.0.1:5480".parse().expect("addr");
+        let mirror = self.mirror;
         let metrics = self.metrics_addr();
         let ip = self.ip.to_string();
         // Generous for a loaded CI machine; the default (20 ms) is for real clusters.

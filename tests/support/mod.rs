@@ -163,6 +163,24 @@ pub fn in_netns(netns: Option<&str>, program: &str) -> Command {
     }
 }
 
+/// The major version of the `containerd` on `PATH` (the test suite runs against 1.6, 1.7 and
+/// 2.x: see scripts/test.sh).
+pub fn containerd_major() -> u32 {
+    static MAJOR: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *MAJOR.get_or_init(|| {
+        let out = Command::new("containerd")
+            .arg("--version")
+            .output()
+            .expect("containerd --version");
+        // `containerd github.com/containerd/containerd/v2 2.1.9+unknown`
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split_whitespace()
+            .nth(2)
+            .and_then(|v| v.trim_start_matches('v').split('.').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("cannot read containerd's version from {text:?}"))
+    })
+}
+
 impl Containerd {
     pub fn start(dir: &Path) -> Containerd {
         Self::start_in(dir, None)

@@ -160,6 +160,16 @@ impl ContentStore for ContainerdStore {
         )
     }
 
+    /// `1` for 1.7.24, `2` for v2.1.9; `None` while containerd does not answer within a second.
+    async fn containerd_major(&self) -> Option<u32> {
+        let mut client = VersionClient::new(self.channel.clone());
+        let reply = tokio::time::timeout(HEALTH_TIMEOUT, client.version(()))
+            .await
+            .ok()?
+            .ok()?;
+        parse_major(&reply.into_inner().version)
+    }
+
     async fn images(&self) -> Result<Vec<ImageRecord>, StoreError> {
         let request = self.request(ListImagesRequest {
             filters: Vec::new(),
@@ -258,5 +268,27 @@ fn status_error(status: Status) -> StoreError {
     match status.code() {
         Code::NotFound => StoreError::NotFound,
         _ => StoreError::Unavailable(format!("{}: {}", status.code(), status.message())),
+    }
+}
+/// `v2.1.9`, `2.1.9+unknown`, `1.6.20~ds1`: the number before the first dot.
+fn parse_major(version: &str) -> Option<u32> {
+    version
+        .trim_start_matches('v')
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_major_version_is_read_from_every_spelling_containerd_uses() {
+        assert_eq!(parse_major("v2.1.9"), Some(2));
+        assert_eq!(parse_major("2.1.9+unknown"), Some(2));
+        assert_eq!(parse_major("1.6.20~ds1"), Some(1));
+        assert_eq!(parse_major(""), None);
     }
 }
