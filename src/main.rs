@@ -102,14 +102,16 @@ fn wait_cleanup(args: &WaitCleanupArgs) -> anyhow::Result<()> {
 const WAIT_CLEANUP_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn configure(config: &Config) -> anyhow::Result<()> {
-    // Only an IPv6 mirror URL makes containerd's version matter: ask it then.
-    let store = ferry::store::containerd::ContainerdStore::new(
-        config.containerd_socket.clone(),
-        config.containerd_namespace.clone(),
-        config.containerd_content_dir.clone(),
-    );
-    let ipv6 = tokio::runtime::Runtime::new()?
-        .block_on(ferry::app::ipv6_hosts(&store, &config.mirror_url()));
+    // Only an IPv6 mirror URL makes containerd's version matter: ask it then (the client
+    // needs a runtime even to be built).
+    let ipv6 = tokio::runtime::Runtime::new()?.block_on(async {
+        let store = ferry::store::containerd::ContainerdStore::new(
+            config.containerd_socket.clone(),
+            config.containerd_namespace.clone(),
+            config.containerd_content_dir.clone(),
+        );
+        ferry::app::ipv6_hosts(&store, &config.mirror_url()).await
+    });
     let outcomes = containerd_config::configure(
         &config.hosts_dir,
         &config.registries,

@@ -180,14 +180,18 @@ fn a_node_started_before_its_peer_is_ready_only_once_it_has_found_it() {
         node1.metric("ferry_keys_advertised") >= (LAYERS + 3) as u64
     });
 
+    // The kubelet's pull, right after the node turned ready: CRI PullImage.
     let before = registry.requests().len();
-    node2
-        .containerd
-        .pull("k8s.io", &reference, &node2.containerd.hosts_dir);
+    if let Err(out) = node2.cri_pull(&reference) {
+        panic!("CRI PullImage failed: {out}");
+    }
     assert_eq!(node2.image_digest(&reference), image.manifest);
     // The tag is the registry's to answer (it may have moved); everything by digest came
     // from node 1.
     asked_upstream_only_the_tag(&registry, before, &node2);
+    for digest in image.digests() {
+        assert!(node2.committed_matches(&digest), "{digest} correct");
+    }
 
     drop(node2);
     drop(node1);

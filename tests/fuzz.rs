@@ -282,9 +282,18 @@ fn fuzz_hosts_merge_is_correct_or_refused_never_corrupt() {
                     // The operator lists the mirror themselves; ferry only took its old block out.
                     return Ok(());
                 }
+                // A host is a `[host."url"]` table, or a dotted `host."url".key = ...` line
+                // among the root keys, before any table header (how IPv6 hosts are written
+                // for containerd 1.x; under a header it is that table's key, not a host).
+                let mut root = true;
                 let first = out
                     .lines()
-                    .find(|l| l.trim_start().starts_with("[host."))
+                    .map(str::trim_start)
+                    .find(|l| {
+                        let host = l.starts_with("[host.") || (root && l.starts_with("host."));
+                        root &= !l.starts_with('[');
+                        host
+                    })
                     .unwrap_or_default();
                 prop_assert!(first.contains(mirror), "ferry is not first:\n{out}");
                 // Cleanup gives the operator's bytes back, unless the input held an old block.

@@ -226,6 +226,24 @@ impl Node {
         }
     }
 
+    /// Pulls `reference` the way the kubelet does (CRI `PullImage`, namespace `k8s.io`, the
+    /// registry config from containerd's CRI `config_path`): `Err` with the output on failure.
+    pub fn cri_pull(&self, reference: &str) -> Result<String, String> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/cri_pull.py");
+        let out = super::in_netns(Some(&self.ns), "python3")
+            .arg(script)
+            .arg(&self.containerd.socket)
+            .arg(reference)
+            .output()
+            .expect("run cri_pull.py");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+        if out.status.success() {
+            Ok(text(&out.stdout).trim().to_string())
+        } else {
+            Err(format!("{}{}", text(&out.stdout), text(&out.stderr)))
+        }
+    }
+
     /// The blob as containerd committed it on this node matches its digest.
     pub fn committed_matches(&self, digest: &str) -> bool {
         self.committed_matches_in("k8s.io", digest)
