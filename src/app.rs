@@ -29,6 +29,7 @@ use crate::metrics::Metrics;
 use crate::oci::registry::Registries;
 use crate::ops::{self, Readiness};
 use crate::problems::Problems;
+use crate::registry::recent::RecentPulls;
 use crate::registry::integrity::Integrity;
 use crate::registry::peer::PeerFetchConfig;
 use crate::registry::upstream::{PROBE_INTERVAL, PROBE_TIMEOUT};
@@ -390,6 +391,7 @@ pub async fn serve(
     let upstream = (fetcher.is_some() && tags == ResolveTags::WhenUpstreamFails)
         .then(|| watch_upstream(&config, &metrics, &token))
         .flatten();
+    let recent = Arc::new(RecentPulls::default());
     let mirror = MirrorState {
         store: store.clone(),
         registries: config.registries.clone(),
@@ -399,6 +401,7 @@ pub async fn serve(
         upstream,
         filters: config.registry_filters.clone(),
         coalesce: coalesce.clone(),
+        recent: recent.clone(),
     };
     spawn_server(
         &tracker,
@@ -436,7 +439,14 @@ pub async fn serve(
         &token,
         "ops",
         listeners.ops,
-        ops::router(readiness.clone(), metrics.clone(), problems.clone()),
+        ops::router(ops::Sources {
+            readiness: readiness.clone(),
+            metrics: metrics.clone(),
+            problems: problems.clone(),
+            recent,
+            peers: peers.as_ref().map(|(router, _, _, _)| router.clone()),
+            node: config.kubernetes.node_name.clone(),
+        }),
     );
     if let Some((router, _, _, _)) = &peers {
         readiness

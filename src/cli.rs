@@ -10,7 +10,11 @@ use clap::{Args, Parser, Subcommand};
 #[command(
     name = "ferry",
     version,
-    about = "Peer-to-peer OCI registry mirror for Kubernetes nodes"
+    about = "Peer-to-peer OCI registry mirror for Kubernetes nodes",
+    // A flag given twice takes its last value, as with most daemons: the chart's `extraArgs`
+    // come after the flags it sets, so repeating one overrides it instead of crash-looping
+    // the pod on "cannot be used multiple times".
+    args_override_self = true
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -29,6 +33,14 @@ pub enum Command {
     Cleanup,
     /// Print the version.
     Version,
+    /// Show what the Ferry on this node is doing: readiness and each condition, problems,
+    /// peers, what it advertises, where its containerd's pulls came from, its last pulls.
+    /// Asks the running Ferry at its `--metrics-addr` (a wildcard means this host).
+    Status {
+        /// Print the JSON `/status` serves instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Wait until the uninstall hook's cleanup DaemonSet has run on every node (the chart's
     /// hook Job runs this); delete it if that does not happen in time.
     WaitCleanup(WaitCleanupArgs),

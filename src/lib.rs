@@ -17,7 +17,8 @@
 //! - [`coalesce`]: storm-proof rollouts: one leader per digest, followers streaming its
 //!   download in progress (rendezvous coordinator, lease table, in-flight reader).
 //! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
-//! - [`ops`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`ops`]: `/metrics`, `/healthz`, `/readyz`, `/status`.
+//! - [`status`]: what `ferry status` shows (readiness, problems, peers, recent pulls).
 //! - [`problems`]: what makes Ferry less useful on a node without making it unready (a split
 //!   peer network, a changed cluster secret, no peers), shown in `/readyz` and a metric.
 //! - [`kubernetes`]: peer bootstrap from the DaemonSet's pods, the node-ready taint.
@@ -39,5 +40,6 @@ pub mod problems;
 pub mod registry;
 pub mod routing;
 pub mod server;
+pub mod status;
 pub mod store;
 pub mod trust;

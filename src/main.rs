@@ -32,6 +32,7 @@ fn main() -> ExitCode {
         Command::Cleanup => cleanup(&config),
         Command::Version => Ok(()),
         Command::WaitCleanup(args) => wait_cleanup(args),
+        Command::Status { json } => status(&config, *json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -100,6 +101,41 @@ fn wait_cleanup(args: &WaitCleanupArgs) -> anyhow::Result<()> {
 
 /// How often `wait-cleanup` looks at the DaemonSet: a GET per 2 s for a few minutes at most.
 const WAIT_CLEANUP_POLL: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `ferry status`: asks the running Ferry (its ops listener's `/status`).
+fn status(config: &Config, json: bool) -> anyhow::Result<()> {
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let addr = config.metrics_addr;
+    // A wildcard listener takes IPv4 whatever its family (`[::]` is dual-stack, or fell back
+    // to 0.0.0.0 on a host without IPv6), and every host has 127.0.0.1.
+    let ip = if addr.ip().is_unspecified() {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        addr.ip()
+    };
+    let url = format!("http://{}/status", SocketAddr::new(ip, addr.port()));
+    let runtime = tokio::runtime::Runtime::new()?;
+    let body = runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(5))
+            .no_proxy()
+            .build()?;
+        client.get(&url).send().await?.error_for_status()?.text().await
+    });
+    let body = body.map_err(|e| {
+        anyhow::anyhow!("no Ferry answers at {url} ({e}): is it running on this node, and is --metrics-addr the one it uses?")
+    })?;
+    if json {
+        println!("{body}");
+        return Ok(());
+    }
+    let status: ferry::status::Status = serde_json::from_str(&body)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    print!("{}", status.text(now));
+    Ok(())
+}
 
 fn configure(config: &Config) -> anyhow::Result<()> {
     // Only an IPv6 mirror URL makes containerd's version matter: ask it then (the client

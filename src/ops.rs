@@ -1,4 +1,5 @@
-//! The operations listener: `/metrics`, `/healthz`, `/readyz`.
+//! The operations listener: `/metrics`, `/healthz`, `/readyz`, `/status` (what `ferry status`
+//! prints, as JSON).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,6 +12,9 @@ use axum::routing::get;
 
 use crate::metrics::Metrics;
 use crate::problems::Problems;
+use crate::registry::recent::RecentPulls;
+use crate::routing::Router as PeerRouter;
+use crate::status::{self, Condition, PeerView, Status};
 
 /// The conditions of readiness. Each is set by the one task that owns that condition.
 #[derive(Debug, Default)]
@@ -32,45 +36,103 @@ impl Readiness {
             && !self.waiting_for_peers.load(Ordering::Relaxed)
     }
 
+    /// Each condition, by name, and whether it holds.
+    pub fn conditions(&self) -> Vec<(&'static str, bool)> {
+        let holds = |b: &AtomicBool| b.load(Ordering::Relaxed);
+        vec![
+            ("hosts config written", holds(&self.hosts_written)),
+            ("mirror listening", holds(&self.listening)),
+            ("containerd reachable", holds(&self.containerd_up)),
+            (
+                "peers found (or not expected)",
+                !holds(&self.waiting_for_peers),
+            ),
+        ]
+    }
+
     fn report(&self) -> String {
-        let yes_no = |b: &AtomicBool| {
-            if b.load(Ordering::Relaxed) {
-                "yes"
-            } else {
-                "no"
-            }
-        };
-        let peers = if self.waiting_for_peers.load(Ordering::Relaxed) {
-            "waiting for the first"
-        } else {
-            "yes"
-        };
-        format!(
-            "hosts config written: {}\nmirror listening: {}\ncontainerd reachable: {}\npeers found (or not expected): {peers}\n",
-            yes_no(&self.hosts_written),
-            yes_no(&self.listening),
-            yes_no(&self.containerd_up)
-        )
+        self.conditions()
+            .into_iter()
+            .map(|(name, ok)| format!("{name}: {}\n", if ok { "yes" } else { "no" }))
+            .collect()
     }
 }
 
-#[derive(Debug, Clone)]
-struct OpsState {
-    readiness: Arc<Readiness>,
-    metrics: Arc<Metrics>,
-    problems: Arc<Problems>,
+/// Everything the ops listener reports on, each owned elsewhere and only read here.
+#[derive(Clone)]
+pub struct Sources {
+    pub readiness: Arc<Readiness>,
+    pub metrics: Arc<Metrics>,
+    pub problems: Arc<Problems>,
+    pub recent: Arc<RecentPulls>,
+    /// `None` when peer-to-peer is off.
+    pub peers: Option<Arc<dyn PeerRouter>>,
+    /// The Kubernetes node name, when known.
+    pub node: Option<String>,
 }
 
-pub fn router(readiness: Arc<Readiness>, metrics: Arc<Metrics>, problems: Arc<Problems>) -> Router {
+impl std::fmt::Debug for Sources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sources")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+pub fn router(sources: Sources) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
-        .with_state(OpsState {
-            readiness,
-            metrics,
-            problems,
-        })
+        .route("/status", get(status_json))
+        .with_state(sources)
+}
+
+type OpsState = Sources;
+
+/// The state behind `ferry status`, now.
+pub fn status(s: &Sources) -> Status {
+    let view = |p: &crate::routing::Peer| PeerView {
+        id: p.id.clone(),
+        addr: p.addr.to_string(),
+    };
+    Status {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        node: s.node.clone(),
+        ready: s.readiness.is_ready(),
+        conditions: s
+            .readiness
+            .conditions()
+            .into_iter()
+            .map(|(name, ok)| Condition {
+                name: name.to_string(),
+                ok,
+            })
+            .collect(),
+        problems: s
+            .problems
+            .current()
+            .into_iter()
+            .map(|(problem, detail)| status::Problem {
+                problem: problem.to_string(),
+                detail,
+            })
+            .collect(),
+        this_node: s.peers.as_ref().map(|r| view(&r.local())),
+        peers: s
+            .peers
+            .as_ref()
+            .map(|r| r.members().iter().map(view).collect())
+            .unwrap_or_default(),
+        advertised_keys: s.metrics.keys_advertised.get(),
+        served: status::served(&s.metrics),
+        corrupt_blobs: s.metrics.corrupt_blobs.get(),
+        recent: s.recent.list(),
+    }
+}
+
+async fn status_json(State(s): State<OpsState>) -> impl IntoResponse {
+    axum::Json(status(&s))
 }
 
 async fn readyz(State(s): State<OpsState>) -> impl IntoResponse {

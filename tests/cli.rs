@@ -483,3 +483,26 @@ fn the_systemd_unit_starts_on_a_host_without_the_hosts_dir() {
     // The sandbox this is about; ExecStartPre= always runs before ExecStart=.
     assert!(unit.contains("ProtectSystem=strict"));
 }
+
+/// The chart's `extraArgs` come after the flags it sets: a repeated flag takes its last value
+/// instead of failing ("cannot be used multiple times" made the pod crash-loop).
+#[test]
+fn a_flag_given_twice_takes_its_last_value() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (first, last) = (tmp.path().join("first"), tmp.path().join("last"));
+    let out = ferry(
+        &[
+            "configure",
+            "--hosts-dir",
+            first.to_str().unwrap(),
+            "--registries",
+            "docker.io",
+            "--hosts-dir",
+            last.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert!(last.join("docker.io/hosts.toml").exists());
+    assert!(!first.exists(), "the first value was used");
+}

@@ -110,6 +110,28 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
         node2.metric("ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}"),
         image_bytes
     );
+    // An operator asks node 2 where its pulls came from: `ferry status`.
+    let text = node2.status(false);
+    for part in [
+        ": ready",
+        "containerd reachable: yes",
+        "peers connected: ",
+        "blob from other nodes",
+        "recent pulls",
+    ] {
+        assert!(text.contains(part), "{part:?} in:\n{text}");
+    }
+    let status: serde_json::Value = serde_json::from_str(&node2.status(true)).unwrap();
+    assert!(!status["peers"].as_array().unwrap().is_empty(), "{status}");
+    let recent = status["recent"].as_array().unwrap();
+    for layer in &image.layers {
+        assert!(
+            recent.iter().any(|p| p["source"] == "peer"
+                && p["what"].as_str().unwrap().ends_with(layer.as_str())
+                && p["bytes"] == image.blob(layer).len() as u64),
+            "{layer} from a peer in {recent:?}"
+        );
+    }
     let content = node2.containerd.ctr(&["-n", "k8s.io", "content", "ls"]);
     for digest in image.digests() {
         assert!(

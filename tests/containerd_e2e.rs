@@ -718,3 +718,109 @@ fn idle_connections_never_take_every_slot_and_probes_keep_answering() {
     let rest = &response[start..start + want_body];
     assert_eq!(sha256_hex(rest), layer);
 }
+
+/// Resident memory of process `pid`, in KiB (`VmRSS`).
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+/// Hostile streams keep memory bounded: 20,000 requests with 20,000 different unknown methods
+/// add no metric series and no memory, and 2,000 readers of a 48 MiB blob that stop reading
+/// after the first byte cost a bounded amount (at most 1,024 are answered at once; each holds
+/// a bounded buffer, never the blob), which is given back when they go. Figures printed, and
+/// quoted in the README.
+#[test]
+fn hostile_streams_keep_memory_bounded() {
+    let w = World::with_layers(1, 48 * 1024 * 1024);
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).unwrap();
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
+    wait_for("ferry /readyz", || ferry.ready());
+    let pid = ferry.proc.child.as_ref().unwrap().id();
+    let layer = w.image.layers[0].clone();
+    let blob = format!("/v2/team/app/blobs/{layer}?{}", w.ns());
+    // Warm up: the blob read whole once, the request paths all taken.
+    assert_eq!(http("GET", &ferry.url(&blob), &[]).body.len(), 48 * 1024 * 1024);
+    let baseline = rss_kib(pid);
+
+    // Unknown methods: 8 connections, each pipelining 2,500 requests, each a new method.
+    let senders: Vec<_> = (0..8)
+        .map(|c| {
+            let addr = ferry.mirror;
+            std::thread::spawn(move || {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                let mut answers = 0;
+                let mut reader = s.try_clone().unwrap();
+                let counter = std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 1 << 16];
+                    let mut text = Vec::new();
+                    while let Ok(n) = reader.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        text.extend_from_slice(&buf[..n]);
+                        if text.windows(9).filter(|w| w == b"HTTP/1.1 ").count() >= 2500 {
+                            break;
+                        }
+                    }
+                    text.windows(9).filter(|w| w == b"HTTP/1.1 ").count()
+                });
+                for i in 0..2500 {
+                    write!(s, "X{c}M{i} /v2/ HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+                }
+                answers += counter.join().unwrap();
+                answers
+            })
+        })
+        .collect();
+    let answered: usize = senders.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(answered, 20_000, "every unknown method got an answer");
+    let metrics = http("GET", &format!("http://{}/metrics", ferry.metrics), &[]).body;
+    let metrics = String::from_utf8_lossy(&metrics);
+    let series = metrics
+        .lines()
+        .filter(|l| l.starts_with("ferry_http_requests_total{"))
+        .count();
+    assert!(
+        !metrics.contains("method=\"X"),
+        "an unknown method became a label"
+    );
+    assert!(series < 20, "{series} request series");
+    let after_methods = rss_kib(pid);
+
+    // 2,000 slow readers of the 48 MiB blob: each reads its first byte (or waits for a slot),
+    // then nothing for a while.
+    let readers: Vec<std::net::TcpStream> = (0..2000)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(ferry.mirror).unwrap();
+            write!(s, "GET {blob} HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(5));
+    let with_readers = rss_kib(pid);
+    drop(readers);
+    std::thread::sleep(Duration::from_secs(3));
+    let after_readers = rss_kib(pid);
+    eprintln!(
+        "rss KiB: baseline {baseline}, after 20,000 unknown methods {after_methods}, with 2,000 slow readers of a 48 MiB blob {with_readers}, after they left {after_readers}"
+    );
+    assert!(
+        after_methods < baseline + 16 * 1024,
+        "unknown methods grew memory: {baseline} -> {after_methods} KiB"
+    );
+    // 1,024 responses in flight at most, each holding at most a few hundred KiB of buffers:
+    // never anything like 2,000 x 48 MiB.
+    assert!(
+        with_readers < baseline + 512 * 1024,
+        "2,000 slow readers: {baseline} -> {with_readers} KiB"
+    );
+    assert!(ferry.ready(), "still answering");
+}

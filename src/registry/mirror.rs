@@ -21,6 +21,7 @@ use futures::StreamExt;
 use super::in_flight::{self, InFlightBody};
 use super::local::Local;
 use super::peer::{PeerFetcher, PeerRequest};
+use super::recent::RecentPulls;
 use super::request::{self, Request};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};
@@ -50,6 +51,8 @@ pub struct MirrorState {
     pub filters: RegistryFilters,
     /// Leader/follower coordination of simultaneous misses; `None` when off.
     pub coalesce: Option<Arc<Coalescer>>,
+    /// The last answers, for `ferry status`.
+    pub recent: Arc<RecentPulls>,
 }
 
 impl std::fmt::Debug for MirrorState {
@@ -120,13 +123,14 @@ async fn resolve_tag(
     tag: &str,
 ) -> Result<Response, ApiError> {
     let state = &mirror.state;
-    let count = |answer, source| {
+    let what = || format!("{}/{name}:{tag}", req.ns.as_deref().unwrap_or("-"));
+    let count = |answer, source, response: Option<&Response>| {
         state
             .metrics
             .tag_requests
             .get_or_create(&TagLabels { answer })
             .inc();
-        count_served(state, "manifest", source);
+        count_served(state, req, what(), "manifest", source, response);
     };
     // Without the registry (`ns`), a tag is ambiguous across registries; without peers, or
     // for a request from a peer, there is no one to ask.
@@ -135,7 +139,7 @@ async fn resolve_tag(
         req.ns.as_deref(),
         req.headers.contains_key(HOP_HEADER),
     ) else {
-        count("upstream", "miss");
+        count("upstream", "miss", None);
         return Err(ApiError::ManifestUnknown);
     };
     let verdict = || {
@@ -145,7 +149,7 @@ async fn resolve_tag(
             .map_or(Verdict::Unknown, |w| w.verdict(ns))
     };
     if state.tags.route(verdict) == TagRoute::Upstream {
-        count("upstream", "miss");
+        count("upstream", "miss", None);
         return Err(ApiError::ManifestUnknown);
     }
     let request = PeerRequest {
@@ -159,7 +163,7 @@ async fn resolve_tag(
         .await
     {
         Some(response) => {
-            count("peers", "peer");
+            count("peers", "peer", Some(&response));
             tracing::info!(
                 registry = ns,
                 name,
@@ -171,7 +175,7 @@ async fn resolve_tag(
             Ok(response)
         }
         None => {
-            count("none", "miss");
+            count("none", "miss", None);
             Err(ApiError::ManifestUnknown)
         }
     }
@@ -221,7 +225,8 @@ async fn follow(
         };
         if let Some(response) = got {
             coalesce.count("follower", "served");
-            count_served(state, kind.label(), "inflight");
+            let what = format!("{ns}/{name}@{digest}");
+            count_served(state, req, what, kind.label(), "inflight", Some(&response));
             tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
             return Ok(response);
         }
@@ -266,9 +271,10 @@ async fn by_digest(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let state = &mirror.state;
+    let what = || format!("{}/{name}@{digest}", req.ns.as_deref().unwrap_or("-"));
     match local(mirror, req, name, digest, kind).await {
         Ok(response) => {
-            count_served(state, kind.label(), "local");
+            count_served(state, req, what(), kind.label(), "local", Some(&response));
             return Ok(response);
         }
         Err(ApiError::ManifestUnknown | ApiError::BlobUnknown) => {}
@@ -280,7 +286,7 @@ async fn by_digest(
         if !matches!(shared, Landing::Nothing)
             && let Some(response) = share(state, coalesce, req, digest, kind, shared).await
         {
-            count_served(state, kind.label(), "inflight");
+            count_served(state, req, what(), kind.label(), "inflight", Some(&response));
             return Ok(keep(response, Some(mine)));
         }
         transfer = Some(mine);
@@ -306,14 +312,14 @@ async fn by_digest(
             }
         };
         if let Some(response) = got {
-            count_served(state, kind.label(), "peer");
+            count_served(state, req, what(), kind.label(), "peer", Some(&response));
             return Ok(keep(response, transfer));
         }
     }
     match follow(mirror, req, name, digest, kind).await {
         Ok(response) => Ok(keep(response, transfer)),
         Err(e) => {
-            count_served(state, kind.label(), "miss");
+            count_served(state, req, what(), kind.label(), "miss", None);
             Err(e)
         }
     }
@@ -412,10 +418,26 @@ fn keep(response: Response, transfer: Option<Transfer>) -> Response {
     Response::from_parts(parts, Body::from_stream(body))
 }
 
-fn count_served(state: &MirrorState, kind: &'static str, source: &'static str) {
+/// Counts an answer (`ferry_served_total`) and keeps it among the recent pulls (`ferry status`;
+/// HEADs are containerd's existence checks before a GET, not pulls of their own).
+fn count_served(
+    state: &MirrorState,
+    req: &Request<'_>,
+    what: String,
+    kind: &'static str,
+    source: &'static str,
+    response: Option<&Response>,
+) {
     state
         .metrics
         .served
         .get_or_create(&SourceLabels { kind, source })
         .inc();
+    if req.head {
+        return;
+    }
+    let bytes = response
+        .and_then(|r| r.headers().get(header::CONTENT_LENGTH))
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    state.recent.record(kind, what, source, bytes);
 }

@@ -12,6 +12,7 @@ mod local;
 pub mod mirror;
 pub mod peer;
 pub mod peer_api;
+pub mod recent;
 mod request;
 pub mod tags;
 #[cfg(test)]

@@ -79,6 +79,7 @@ async fn call_at(
             upstream: None,
             filters: Default::default(),
             coalesce: None,
+            recent: Default::default(),
         }),
         Address::Peer => {
             let keys: BTreeSet<String> = [

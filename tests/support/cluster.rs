@@ -129,6 +129,19 @@ impl Node {
         self.ops_get("/metrics")
     }
 
+    /// What `ferry status` (`--json`: its JSON) prints about this node's Ferry, run on the node.
+    pub fn status(&self, json: bool) -> String {
+        let addr = self.metrics_addr().to_string();
+        let mut cmd = super::in_netns(Some(&self.ns), super::Ferry::bin().to_str().expect("path"));
+        cmd.args(["status", "--metrics-addr", &addr]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().expect("run ferry status");
+        assert!(out.status.success(), "ferry status: {out:?}");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
     /// `/readyz`'s body: the conditions and any problems.
     pub fn readyz(&self) -> String {
         self.ops_get("/readyz")

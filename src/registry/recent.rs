@@ -1,0 +1,78 @@
+//! The last pulls this node's containerd made through the mirror, with where each answer came
+//! from: what `ferry status` and `/status` show. Written by the mirror as it answers (the same
+//! place it counts `ferry_served_total`), read by the ops listener; a bounded ring, so it costs
+//! the same on a node that pulled ten images as on one that pulled ten thousand.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+/// How many pulls are kept.
+pub const KEPT: usize = 32;
+
+/// One answer of the mirror.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pull {
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+    /// `manifest` or `blob`.
+    pub kind: String,
+    /// `<registry>/<repository>@<digest>` or `...:<tag>`.
+    pub what: String,
+    /// `local`, `peer`, `inflight` (a download in progress, here or on the leader) or `miss`
+    /// (a 404: containerd went to the next host, usually the registry).
+    pub source: String,
+    /// The body's length when known (a HEAD, a miss: none).
+    pub bytes: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+pub struct RecentPulls {
+    pulls: Mutex<VecDeque<Pull>>,
+}
+
+impl RecentPulls {
+    pub fn record(&self, kind: &str, what: String, source: &str, bytes: Option<u64>) {
+        let at = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let pull = Pull {
+            at,
+            kind: kind.to_string(),
+            what,
+            source: source.to_string(),
+            bytes,
+        };
+        // A panic while holding this lock left a complete ring behind: keep using it.
+        let mut pulls = self.pulls.lock().unwrap_or_else(|e| e.into_inner());
+        if pulls.len() == KEPT {
+            pulls.pop_front();
+        }
+        pulls.push_back(pull);
+    }
+
+    /// Newest first.
+    pub fn list(&self) -> Vec<Pull> {
+        let pulls = self.pulls.lock().unwrap_or_else(|e| e.into_inner());
+        pulls.iter().rev().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_the_newest_first_and_at_most_kept() {
+        let recent = RecentPulls::default();
+        for i in 0..KEPT + 5 {
+            recent.record("blob", format!("r/a@{i}"), "peer", Some(i as u64));
+        }
+        let list = recent.list();
+        assert_eq!(list.len(), KEPT);
+        assert_eq!(list[0].what, format!("r/a@{}", KEPT + 4));
+        assert_eq!(list[KEPT - 1].what, "r/a@5");
+    }
+}

@@ -1,0 +1,243 @@
+//! What `ferry status` prints and the ops listener's `/status` serves: this node's readiness
+//! and each condition, its problems, its peers, what it advertises, what its containerd got
+//! and from where, and its last pulls. Built on request from the same in-process state as
+//! `/readyz` and `/metrics` (no second source of truth).
+
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::{Metrics, SourceLabels};
+use crate::registry::recent::Pull;
+
+/// Every source the mirror counts (`ferry_served_total{source}`).
+const SOURCES: [&str; 4] = ["local", "peer", "inflight", "miss"];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub version: String,
+    /// The Kubernetes node name, when known.
+    pub node: Option<String>,
+    pub ready: bool,
+    pub conditions: Vec<Condition>,
+    pub problems: Vec<Problem>,
+    /// This node as its peers reach it; `None` when peer-to-peer is off.
+    pub this_node: Option<PeerView>,
+    pub peers: Vec<PeerView>,
+    pub advertised_keys: i64,
+    /// What this node's containerd got through the mirror, by kind and source.
+    pub served: Vec<Served>,
+    /// Blobs found not to match their digest before serving a peer.
+    pub corrupt_blobs: u64,
+    /// Newest first.
+    pub recent: Vec<Pull>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Condition {
+    pub name: String,
+    pub ok: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    pub problem: String,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerView {
+    pub id: String,
+    pub addr: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Served {
+    pub kind: String,
+    pub source: String,
+    pub requests: u64,
+    /// Counted for `local` and `peer` answers.
+    pub bytes: u64,
+}
+
+/// The counters of `metrics` that `Status` shows, nonzero ones only.
+pub fn served(metrics: &Metrics) -> Vec<Served> {
+    let mut out = Vec::new();
+    for kind in ["manifest", "blob"] {
+        for source in SOURCES {
+            let labels = SourceLabels { kind, source };
+            let requests = metrics.served.get_or_create(&labels).get();
+            let bytes = metrics.bytes_served.get_or_create(&labels).get();
+            if requests > 0 || bytes > 0 {
+                out.push(Served {
+                    kind: kind.to_string(),
+                    source: source.to_string(),
+                    requests,
+                    bytes,
+                });
+            }
+        }
+    }
+    out
+}
+
+impl Status {
+    /// Readable text, as `ferry status` prints it; `now` is seconds since the Unix epoch.
+    pub fn text(&self, now: u64) -> String {
+        let yes_no = |b: bool| if b { "yes" } else { "no" };
+        let mut out = format!(
+            "ferry {}{}: {}\n",
+            self.version,
+            self.node
+                .as_deref()
+                .map_or(String::new(), |n| format!(" on {n}")),
+            if self.ready { "ready" } else { "NOT READY" }
+        );
+        for c in &self.conditions {
+            out.push_str(&format!("  {}: {}\n", c.name, yes_no(c.ok)));
+        }
+        if self.problems.is_empty() {
+            out.push_str("problems: none\n");
+        } else {
+            out.push_str("problems:\n");
+            for p in &self.problems {
+                out.push_str(&format!("  {}: {}\n", p.problem, p.detail));
+            }
+        }
+        match &self.this_node {
+            None => out.push_str("peer-to-peer: off\n"),
+            Some(me) => {
+                out.push_str(&format!("this node: {} at {}\n", me.id, me.addr));
+                out.push_str(&format!("peers connected: {}\n", self.peers.len()));
+                for p in self.peers.iter().take(10) {
+                    out.push_str(&format!("  {} at {}\n", p.id, p.addr));
+                }
+                if self.peers.len() > 10 {
+                    out.push_str(&format!("  ... and {} more\n", self.peers.len() - 10));
+                }
+                out.push_str(&format!("keys advertised: {}\n", self.advertised_keys));
+            }
+        }
+        if self.corrupt_blobs > 0 {
+            out.push_str(&format!(
+                "corrupt blobs found in the store: {}\n",
+                self.corrupt_blobs
+            ));
+        }
+        out.push_str("served to this node's containerd (since start):\n");
+        if self.served.is_empty() {
+            out.push_str("  nothing yet\n");
+        }
+        for s in &self.served {
+            let bytes = if s.bytes > 0 {
+                format!(", {}", human(s.bytes))
+            } else {
+                String::new()
+            };
+            out.push_str(&format!(
+                "  {} from {}: {} answers{bytes}\n",
+                s.kind,
+                source_name(&s.source),
+                s.requests
+            ));
+        }
+        if !self.recent.is_empty() {
+            out.push_str("recent pulls (newest first):\n");
+            for p in &self.recent {
+                out.push_str(&format!(
+                    "  {:>6} ago  {:<8} {:<9} {:>10}  {}\n",
+                    format!("{}s", now.saturating_sub(p.at)),
+                    p.kind,
+                    p.source,
+                    p.bytes.map_or("-".to_string(), human),
+                    p.what
+                ));
+            }
+        }
+        out
+    }
+}
+
+fn source_name(source: &str) -> &str {
+    match source {
+        "local" => "this node's store",
+        "peer" => "other nodes",
+        "inflight" => "downloads in progress",
+        "miss" => "nowhere (404: containerd asked the registry)",
+        other => other,
+    }
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_says_readiness_problems_peers_and_where_pulls_came_from() {
+        let status = Status {
+            version: "0.1.0".into(),
+            node: Some("node-a".into()),
+            ready: true,
+            conditions: vec![Condition {
+                name: "containerd reachable".into(),
+                ok: true,
+            }],
+            problems: vec![Problem {
+                problem: "no_peers".into(),
+                detail: "no peer connected".into(),
+            }],
+            this_node: Some(PeerView {
+                id: "12D3me".into(),
+                addr: "10.0.0.1:5481".into(),
+            }),
+            peers: vec![PeerView {
+                id: "12D3other".into(),
+                addr: "10.0.0.2:5481".into(),
+            }],
+            advertised_keys: 7,
+            served: vec![Served {
+                kind: "blob".into(),
+                source: "peer".into(),
+                requests: 3,
+                bytes: 3 << 20,
+            }],
+            corrupt_blobs: 0,
+            recent: vec![Pull {
+                at: 100,
+                kind: "blob".into(),
+                what: "r/app@sha256:ab".into(),
+                source: "peer".into(),
+                bytes: Some(1 << 20),
+            }],
+        };
+        let text = status.text(105);
+        for part in [
+            "ferry 0.1.0 on node-a: ready",
+            "containerd reachable: yes",
+            "no_peers: no peer connected",
+            "peers connected: 1",
+            "12D3other at 10.0.0.2:5481",
+            "keys advertised: 7",
+            "blob from other nodes: 3 answers, 3.0 MiB",
+            "5s ago",
+            "1.0 MiB  r/app@sha256:ab",
+        ] {
+            assert!(text.contains(part), "{part:?} in:\n{text}");
+        }
+        let json = serde_json::to_string(&status).unwrap();
+        assert_eq!(serde_json::from_str::<Status>(&json).unwrap(), status);
+    }
+}
