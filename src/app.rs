@@ -29,9 +29,9 @@ use crate::metrics::Metrics;
 use crate::oci::registry::Registries;
 use crate::ops::{self, Readiness};
 use crate::problems::Problems;
-use crate::registry::recent::RecentPulls;
 use crate::registry::integrity::Integrity;
 use crate::registry::peer::PeerFetchConfig;
+use crate::registry::recent::RecentPulls;
 use crate::registry::upstream::{PROBE_INTERVAL, PROBE_TIMEOUT};
 use crate::registry::{
     self, MirrorState, PeerApiState, PeerFetcher, ResolveTags, UpstreamConfig, UpstreamWatch,

@@ -120,7 +120,13 @@ fn status(config: &Config, json: bool) -> anyhow::Result<()> {
             .timeout(std::time::Duration::from_secs(5))
             .no_proxy()
             .build()?;
-        client.get(&url).send().await?.error_for_status()?.text().await
+        client
+            .get(&url)
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await
     });
     let body = body.map_err(|e| {
         anyhow::anyhow!("no Ferry answers at {url} ({e}): is it running on this node, and is --metrics-addr the one it uses?")

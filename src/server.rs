@@ -37,6 +37,10 @@ pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Connections closed at once when the listener is full (see `evict_longest_idle`).
 const EVICT_BATCH: usize = 64;
+/// hyper queues response bytes up to this much per connection before it stops asking the
+/// body for more (its default is about 400 KiB): a reader that stops reading holds at most one
+/// more body chunk in memory, not two. Measured with 2,000 stalled readers of a 48 MiB blob.
+const WRITE_QUEUE_BYTES: usize = 64 * 1024;
 
 /// Bounds for one listener, as values.
 #[derive(Debug, Clone, Copy)]
@@ -59,7 +63,8 @@ pub async fn serve(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(bounds.head_deadline);
+        .header_read_timeout(bounds.head_deadline)
+        .max_buf_size(WRITE_QUEUE_BYTES);
     let graceful = GracefulShutdown::new();
     let table = Arc::new(Connections::default());
     let in_flight = Arc::new(Semaphore::new(bounds.in_flight));

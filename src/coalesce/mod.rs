@@ -193,16 +193,26 @@ impl Coalescer {
     /// must live as long as the response (see `local.rs`).
     pub async fn share_local(&self, digest: &Digest) -> (Transfer, Landing) {
         let transfer = self.transfers.begin(digest);
-        if transfer.first && !self.leads(digest) {
-            return (transfer, Landing::Nothing);
-        }
         let content_dir = &self.config.content_dir;
+        let committed = crate::store::containerd::files::blob_path(content_dir, digest);
+        if transfer.first && !self.leads(digest) {
+            // Another namespace of this node's containerd may have committed it a moment ago
+            // (its request over before this one came; Ferry's store lists one namespace):
+            // read that file rather than fetch it a second time. Seen with a small config blob
+            // on containerd 1.7, pulled into two namespaces at once.
+            let landed = if committed.exists() {
+                self.count("local", "committed");
+                Landing::Committed
+            } else {
+                Landing::Nothing
+            };
+            return (transfer, landed);
+        }
         let (dir, d) = (content_dir.clone(), digest.clone());
         let candidates =
             tokio::task::spawn_blocking(move || Ingest::find_all(&dir, &d, SHARE_FRESH))
                 .await
                 .unwrap_or_default();
-        let committed = crate::store::containerd::files::blob_path(content_dir, digest);
         // A single download is the requester's own (containerd opens its writer before it
         // asks): there is nothing else to read, unless the other one has just landed.
         if candidates.len() < 2 {

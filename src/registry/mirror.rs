@@ -286,7 +286,14 @@ async fn by_digest(
         if !matches!(shared, Landing::Nothing)
             && let Some(response) = share(state, coalesce, req, digest, kind, shared).await
         {
-            count_served(state, req, what(), kind.label(), "inflight", Some(&response));
+            count_served(
+                state,
+                req,
+                what(),
+                kind.label(),
+                "inflight",
+                Some(&response),
+            );
             return Ok(keep(response, Some(mine)));
         }
         transfer = Some(mine);
