@@ -72,6 +72,13 @@ pub struct LimitedStream {
     _permit: Option<OwnedSemaphorePermit>,
 }
 
+impl LimitedStream {
+    /// The address this connection reached (one of this host's).
+    pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.inner.local_addr()
+    }
+}
+
 impl AsyncRead for LimitedStream {
     fn poll_read(
         mut self: Pin<&mut Self>,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use crate::metrics::Metrics;
@@ -131,8 +131,21 @@ pub fn status(s: &Sources) -> Status {
     }
 }
 
-async fn status_json(State(s): State<OpsState>) -> impl IntoResponse {
-    axum::Json(status(&s))
+/// `/status` names images and peers: it answers this host only (`ferry status` runs on the
+/// node, or in the pod through `kubectl exec`), never the network the metrics address is on.
+async fn status_json(State(s): State<OpsState>, request: axum::extract::Request) -> Response {
+    let local = request
+        .extensions()
+        .get::<crate::server::ConnAddrs>()
+        .is_some_and(crate::server::ConnAddrs::same_host);
+    if !local {
+        return (
+            StatusCode::FORBIDDEN,
+            "/status names this node's images and peers and answers only on the node itself: run `ferry status` there\n",
+        )
+            .into_response();
+    }
+    axum::Json(status(&s)).into_response()
 }
 
 async fn readyz(State(s): State<OpsState>) -> impl IntoResponse {

@@ -72,14 +72,20 @@ pub async fn serve(
         if listener.is_full() {
             table.evict_longest_idle();
         }
-        let (stream, _) = tokio::select! {
+        let (stream, remote) = tokio::select! {
             _ = stop.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
         let conn_state = table.register();
+        let addrs = ConnAddrs {
+            remote,
+            local: stream.local_addr().ok(),
+        };
         let service = {
             let (router, conn, in_flight) = (router.clone(), conn_state.clone(), in_flight.clone());
-            TowerToHyperService::new(tower::service_fn(move |req| {
+            TowerToHyperService::new(tower::service_fn(move |mut req: hyper::Request<_>| {
+                // Who asks, for handlers that answer this host only (`/status`).
+                req.extensions_mut().insert(addrs);
                 answer(req, router.clone(), conn.clone(), in_flight.clone())
             }))
         };
@@ -229,6 +235,26 @@ async fn answer(
     Ok(response.map(|body| Body::new(Tracked { body, _busy: busy })))
 }
 
+/// Both ends of a request's connection, in its extensions.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnAddrs {
+    pub remote: std::net::SocketAddr,
+    pub local: Option<std::net::SocketAddr>,
+}
+
+impl ConnAddrs {
+    /// The client runs on this host: it came from loopback (`::ffff:127.0.0.1` included, a
+    /// dual-stack listener's IPv4 client), or from the very address it connected to.
+    pub fn same_host(&self) -> bool {
+        let ip = self.remote.ip();
+        let mapped = match ip {
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
+            std::net::IpAddr::V4(_) => false,
+        };
+        ip.is_loopback() || mapped || self.local.is_some_and(|l| l.ip() == ip)
+    }
+}
+
 /// A response body that keeps its request counted until it ends.
 struct Tracked {
     body: Body,
@@ -252,5 +278,27 @@ impl hyper::body::Body for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_clients_on_this_host_are_the_same_host() {
+        let addrs = |remote: &str, local: &str| ConnAddrs {
+            remote: remote.parse().unwrap(),
+            local: Some(local.parse().unwrap()),
+        };
+        assert!(addrs("127.0.0.1:4000", "127.0.0.1:5483").same_host());
+        assert!(addrs("[::1]:4000", "[::1]:5483").same_host());
+        assert!(addrs("[::ffff:127.0.0.1]:4000", "[::ffff:127.0.0.1]:5483").same_host());
+        assert!(
+            addrs("10.0.0.5:4000", "10.0.0.5:5483").same_host(),
+            "to its own address"
+        );
+        assert!(!addrs("10.0.0.6:4000", "10.0.0.5:5483").same_host());
+        assert!(!addrs("[fd00::6]:4000", "[fd00::5]:5483").same_host());
     }
 }

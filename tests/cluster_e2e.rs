@@ -121,6 +121,9 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     ] {
         assert!(text.contains(part), "{part:?} in:\n{text}");
     }
+    // It names images: from anywhere but the node itself, `/status` is refused.
+    let from_outside = http_status(&format!("http://{}/status", node2.metrics_addr()));
+    assert_eq!(from_outside, Some(403));
     let status: serde_json::Value = serde_json::from_str(&node2.status(true)).unwrap();
     assert!(!status["peers"].as_array().unwrap().is_empty(), "{status}");
     let recent = status["recent"].as_array().unwrap();

@@ -373,29 +373,33 @@ async fn share(
 ) -> Option<Response> {
     let content_dir = &coalesce.config().content_dir;
     let committed = crate::store::containerd::files::blob_path(content_dir, digest);
+    let open_committed = || async {
+        let total = tokio::fs::metadata(&committed).await.ok()?.len();
+        let range = in_flight::range_to_end(req.headers, total).ok()?;
+        let start = range.map_or(0, |r| r.start);
+        let open =
+            crate::store::containerd::files::open(content_dir, digest, total, start, total - start);
+        Some((open.await.ok()?, total, range))
+    };
     let (stream, total, range) = match landing {
         Landing::InFlight(ingest) => {
             let range = in_flight::range_to_end(req.headers, ingest.total).ok()?;
             let start = range.map_or(0, |r| r.start);
-            let stream = ingest
-                .read_from(start, committed, in_flight::IDLE)
+            match ingest
+                .read_from(start, committed.clone(), in_flight::IDLE)
                 .await
-                .ok()?;
-            (stream, ingest.total, range)
+            {
+                Ok(stream) => (stream, ingest.total, range),
+                // Committed (renamed away) between being found growing and being opened, as a
+                // small blob often is: read the committed file. (Seen on containerd 1.7: the
+                // request went upstream a second time.)
+                Err(e) => {
+                    tracing::debug!(%digest, error = %e, "the download landed before it was opened: reading the committed file");
+                    open_committed().await?
+                }
+            }
         }
-        Landing::Committed => {
-            let total = tokio::fs::metadata(&committed).await.ok()?.len();
-            let range = in_flight::range_to_end(req.headers, total).ok()?;
-            let start = range.map_or(0, |r| r.start);
-            let open = crate::store::containerd::files::open(
-                content_dir,
-                digest,
-                total,
-                start,
-                total - start,
-            );
-            (open.await.ok()?, total, range)
-        }
+        Landing::Committed => open_committed().await?,
         Landing::Nothing => return None,
     };
     tracing::debug!(%digest, total, "sharing a download on this node");
