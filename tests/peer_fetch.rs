@@ -80,7 +80,22 @@ async fn run_node_with_secret(
     let shutdown = stop.clone().cancelled_owned();
     let mut config = config(dir);
     config.cluster_secret = secret;
+    let holds_images = !ferry::store::ContentStore::images(store.as_ref())
+        .await
+        .unwrap_or_default()
+        .is_empty();
     let task = tokio::spawn(serve(config, store, listeners, peering, shutdown));
+    // A node serves peers only what its sync has taken stock of (its first reconcile runs
+    // at start, a moment later on a loaded machine): wait for it, or a test that advertises
+    // the node by hand can ask it too early and get a 404 (seen once in a full run).
+    if holds_images {
+        let started = Instant::now();
+        while metric(addrs.2, "ferry_keys_advertised").await == 0
+            && started.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     Running {
         mirror: addrs.0,
         peer: addrs.1,
