@@ -103,9 +103,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         "mirror listening and containerd hosts config written"
     );
     let ops = bind(config.metrics_addr).await?;
-    for warning in preflight::check(&config.containerd_config, &config.hosts_dir) {
-        tracing::warn!("{warning}");
-    }
     let peers = match &config.p2p {
         Some(settings) => PeerSetup::from_settings(&config, settings),
         None => None,
@@ -298,6 +295,7 @@ pub async fn serve(
     let metrics = Arc::new(Metrics::new());
     let readiness = Arc::new(Readiness::default());
     let problems = Arc::new(Problems::new(metrics.clone()));
+    check_containerd_config(&config, &problems);
     readiness.listening.store(true, Ordering::Relaxed);
     readiness.hosts_written.store(true, Ordering::Relaxed);
     metrics.hosts_config_written.set(1);
@@ -477,7 +475,12 @@ pub async fn serve(
             token.clone(),
         ));
     }
-    tracker.spawn(refresh_hosts(config, store.clone(), token.clone()));
+    tracker.spawn(refresh_hosts(
+        config,
+        store.clone(),
+        problems.clone(),
+        token.clone(),
+    ));
     tracker.spawn(watch_containerd(
         store,
         readiness,
@@ -766,12 +769,31 @@ async fn watch_containerd(
     }
 }
 
-async fn refresh_hosts(config: Config, store: Arc<dyn ContentStore>, token: CancellationToken) {
+/// What in containerd's own config makes Ferry useless on this node (`preflight`): each a
+/// problem (a warning logged once as it appears, a line in `/readyz`, a metric), never a
+/// reason to be unready; cleared once the config is fixed (looked at again every minute).
+fn check_containerd_config(config: &Config, problems: &Problems) {
+    let found = preflight::check(&config.containerd_config, &config.hosts_dir);
+    for name in preflight::PROBLEMS {
+        match found.iter().find(|w| w.problem == name) {
+            Some(w) => problems.set(name, w.text.clone()),
+            None => problems.clear(name),
+        }
+    }
+}
+
+async fn refresh_hosts(
+    config: Config,
+    store: Arc<dyn ContentStore>,
+    problems: Arc<Problems>,
+    token: CancellationToken,
+) {
     loop {
         tokio::select! {
             _ = token.cancelled() => return,
             _ = tokio::time::sleep(HOSTS_REFRESH_INTERVAL) => {}
         }
+        check_containerd_config(&config, &problems);
         let ipv6 = ipv6_hosts(store.as_ref(), &config.mirror_url()).await;
         match containerd_config::configure(
             &config.hosts_dir,

@@ -832,3 +832,65 @@ fn hostile_streams_keep_memory_bounded() {
     );
     assert!(ferry.ready(), "still answering");
 }
+
+/// A containerd config that makes Ferry useless on the node (the kubelet's pulls would not
+/// read the hosts dir; layers discarded after unpacking) is a problem Ferry shows, in
+/// `/readyz`'s body and `ferry_config_problems`, while it stays ready: a warning never keeps a
+/// node out of service. Fixed in the file, the problems go at the next look (every minute; here
+/// a restart).
+#[test]
+fn a_containerd_config_that_defeats_ferry_is_shown_not_fatal() {
+    let dir = tempfile::tempdir().unwrap();
+    let containerd = Containerd::start(&dir.path().join("node"));
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "version = 2\nimports = [\"conf.d/*.toml\"]\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  discard_unpacked_layers = true\n",
+    )
+    .unwrap();
+    let args = [
+        "--p2p",
+        "false",
+        "--containerd-config",
+        config.to_str().unwrap(),
+    ];
+    let ferry = Ferry::start(dir.path(), &containerd, &args);
+    wait_for("ferry /readyz", || ferry.ready());
+    let body = String::from_utf8_lossy(
+        &http("GET", &format!("http://{}/readyz", ferry.metrics), &[]).body,
+    )
+    .to_string();
+    assert!(
+        body.contains("cri_config_path_unset") && body.contains("discard_unpacked_layers"),
+        "{body}"
+    );
+    let metrics = String::from_utf8_lossy(
+        &http("GET", &format!("http://{}/metrics", ferry.metrics), &[]).body,
+    )
+    .to_string();
+    for problem in ["cri_config_path_unset", "discard_unpacked_layers"] {
+        assert!(
+            metrics.contains(&format!("ferry_config_problems{{problem=\"{problem}\"}} 1")),
+            "{problem}: {metrics}"
+        );
+    }
+    drop(ferry);
+
+    // The operator fixes it in a drop-in file (followed through `imports`).
+    std::fs::create_dir(dir.path().join("conf.d")).unwrap();
+    std::fs::write(
+        dir.path().join("conf.d/ferry.toml"),
+        format!(
+            "[plugins.\"io.containerd.grpc.v1.cri\".registry]\n  config_path = \"{}\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  discard_unpacked_layers = false\n",
+            containerd.hosts_dir.display()
+        ),
+    )
+    .unwrap();
+    let ferry = Ferry::start(dir.path(), &containerd, &args);
+    wait_for("ferry /readyz", || ferry.ready());
+    let body = String::from_utf8_lossy(
+        &http("GET", &format!("http://{}/readyz", ferry.metrics), &[]).body,
+    )
+    .to_string();
+    assert!(!body.contains("problems"), "{body}");
+}

@@ -2,8 +2,46 @@
 
 use std::path::Path;
 
-/// One finding, worded for the operator's log.
-pub type Warning = String;
+/// One finding: a name (the `problem` label of `ferry_config_problems`, see `problems.rs`)
+/// and its text, worded for the operator, with the fix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    pub problem: &'static str,
+    pub text: String,
+}
+
+/// Every `problem` a warning can name.
+pub const PROBLEMS: [&str; 6] = [
+    "no_containerd_config",
+    "containerd_config_unreadable",
+    "cri_config_path_unset",
+    "cri_config_path_elsewhere",
+    "cri_registry_mirrors",
+    "discard_unpacked_layers",
+];
+
+impl Warning {
+    fn new(problem: &'static str, text: impl Into<String>) -> Self {
+        Warning {
+            problem,
+            text: text.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Warning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// The text, for the checks that read it.
+impl std::ops::Deref for Warning {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.text
+    }
+}
 
 /// CRI plugin tables: containerd 1.x/2.x config version 2, and version 3 (containerd 2.x).
 const CRI_V2: &str = "io.containerd.grpc.v1.cri";
@@ -19,14 +57,20 @@ pub fn check(config_file: &Path, hosts_dir: &Path) -> Vec<Warning> {
     match load(config_file) {
         Ok(doc) => check_table(&doc, hosts_dir)
             .into_iter()
-            .map(|w| format!("containerd config {}: {w}", config_file.display()))
+            .map(|w| {
+                let text = format!("containerd config {}: {w}", config_file.display());
+                Warning::new(w.problem, text)
+            })
             .collect(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![format!(
-            "no containerd config at {}: containerd runs on its defaults, where (before 2.0) CRI's config_path is unset and kubelet's pulls do not use Ferry; point --containerd-config at the config containerd uses, or set config_path = \"{}\" in it",
-            config_file.display(),
-            hosts_dir.display()
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![Warning::new(
+            "no_containerd_config",
+            format!(
+                "no containerd config at {}: containerd runs on its defaults, where (before 2.0) CRI's config_path is unset and kubelet's pulls do not use Ferry; point --containerd-config at the config containerd uses, or set config_path = \"{}\" in it",
+                config_file.display(),
+                hosts_dir.display()
+            ),
         )],
-        Err(e) => vec![e.to_string()],
+        Err(e) => vec![Warning::new("containerd_config_unreadable", e.to_string())],
     }
 }
 
@@ -158,14 +202,20 @@ fn check_table(doc: &toml::Table, hosts_dir: &Path) -> Vec<Warning> {
         .and_then(|p| p.as_str())
         .unwrap_or("");
     if config_path.is_empty() {
-        warnings.push(format!(
-            "CRI registry config_path is not set, so kubelet's pulls will not use Ferry; set it to \"{}\"",
-            hosts_dir.display()
+        warnings.push(Warning::new(
+            "cri_config_path_unset",
+            format!(
+                "CRI registry config_path is not set, so kubelet's pulls will not use Ferry; set it to \"{}\"",
+                hosts_dir.display()
+            ),
         ));
     } else if !config_path.split(':').any(|p| Path::new(p) == hosts_dir) {
-        warnings.push(format!(
-            "CRI registry config_path is \"{config_path}\" but Ferry writes to \"{}\"; kubelet's pulls will not use Ferry",
-            hosts_dir.display()
+        warnings.push(Warning::new(
+            "cri_config_path_elsewhere",
+            format!(
+                "CRI registry config_path is \"{config_path}\" but Ferry writes to \"{}\"; kubelet's pulls will not use Ferry",
+                hosts_dir.display()
+            ),
         ));
     }
     let has_mirrors = registry
@@ -173,15 +223,16 @@ fn check_table(doc: &toml::Table, hosts_dir: &Path) -> Vec<Warning> {
         .and_then(|m| m.as_table())
         .is_some_and(|m| !m.is_empty());
     if has_mirrors {
-        warnings.push(
-            "deprecated registry.mirrors is set; containerd does not combine it with config_path"
-                .into(),
-        );
+        warnings.push(Warning::new(
+            "cri_registry_mirrors",
+            "deprecated registry.mirrors is set; containerd does not combine it with config_path",
+        ));
     }
     if discard.and_then(|d| d.as_bool()) == Some(true) {
-        warnings.push(
-            "discard_unpacked_layers = true: containerd deletes layers after unpacking, so Ferry cannot serve them to anyone".into(),
-        );
+        warnings.push(Warning::new(
+            "discard_unpacked_layers",
+            "discard_unpacked_layers = true: containerd deletes layers after unpacking, so Ferry cannot serve them to anyone",
+        ));
     }
     warnings
 }
