@@ -88,13 +88,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         config.containerd_namespace.clone(),
         config.containerd_content_dir.clone(),
     ));
-    let ipv6 = ipv6_hosts(store.as_ref(), &config.mirror_url()).await;
-    let outcomes = containerd_config::configure(
-        &config.hosts_dir,
-        &config.registries,
-        &config.mirror_url(),
-        ipv6,
-    )?;
+    let outcomes = configure_hosts(&config, store.as_ref()).await?;
     report(&outcomes);
     tracing::info!(
         mirror = %config.mirror_url(),
@@ -794,23 +788,28 @@ async fn refresh_hosts(
             _ = tokio::time::sleep(HOSTS_REFRESH_INTERVAL) => {}
         }
         check_containerd_config(&config, &problems);
-        let ipv6 = ipv6_hosts(store.as_ref(), &config.mirror_url()).await;
-        match containerd_config::configure(
-            &config.hosts_dir,
-            &config.registries,
-            &config.mirror_url(),
-            ipv6,
-        ) {
+        match configure_hosts(&config, store.as_ref()).await {
             Ok(outcomes) => report(&outcomes),
             Err(e) => tracing::warn!(error = %e, "re-merging the containerd hosts config failed"),
         }
     }
 }
 
+/// Writes Ferry's entry into every hosts.toml the registries need (`containerd_config`), in
+/// the form the containerd behind `store` reads.
+pub async fn configure_hosts(
+    config: &Config,
+    store: &dyn ContentStore,
+) -> Result<Vec<Outcome>, containerd_config::dir::DirError> {
+    let mirror_url = config.mirror_url();
+    let ipv6 = ipv6_hosts(store, &mirror_url).await;
+    containerd_config::configure(&config.hosts_dir, &config.registries, &mirror_url, ipv6)
+}
+
 /// How to write Ferry's hosts.toml entry when its URL holds an IPv6 address (see
 /// `hosts::Ipv6Hosts`): containerd is asked its version only then; while it does not answer,
 /// the form that works on every version.
-pub async fn ipv6_hosts(store: &dyn ContentStore, mirror_url: &str) -> Ipv6Hosts {
+async fn ipv6_hosts(store: &dyn ContentStore, mirror_url: &str) -> Ipv6Hosts {
     if !mirror_url.contains('[') {
         return Ipv6Hosts::default();
     }

@@ -144,22 +144,16 @@ fn status(config: &Config, json: bool) -> anyhow::Result<()> {
 }
 
 fn configure(config: &Config) -> anyhow::Result<()> {
-    // Only an IPv6 mirror URL makes containerd's version matter: ask it then (the client
-    // needs a runtime even to be built).
-    let ipv6 = tokio::runtime::Runtime::new()?.block_on(async {
+    // The client needs a runtime even to be built; containerd is asked its version only for
+    // an IPv6 mirror URL.
+    let outcomes = tokio::runtime::Runtime::new()?.block_on(async {
         let store = ferry::store::containerd::ContainerdStore::new(
             config.containerd_socket.clone(),
             config.containerd_namespace.clone(),
             config.containerd_content_dir.clone(),
         );
-        ferry::app::ipv6_hosts(&store, &config.mirror_url()).await
-    });
-    let outcomes = containerd_config::configure(
-        &config.hosts_dir,
-        &config.registries,
-        &config.mirror_url(),
-        ipv6,
-    )?;
+        ferry::app::configure_hosts(config, &store).await
+    })?;
     print_outcomes(&outcomes);
     for warning in containerd_config::preflight::check(&config.containerd_config, &config.hosts_dir)
     {
