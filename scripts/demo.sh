@@ -143,8 +143,8 @@ echo "    node 1 now advertises $(metric "$NET.0.11" ferry_keys_advertised) keys
 echo "==> node 2 pulls (the tag from the registry; everything by digest from node 1's containerd store)"
 echo "    node 2 pull: $(pull n2)"
 GOT=$(ctr --address "$WORK/n2/containerd.sock" -n k8s.io images ls | awk -v img="$IMAGE" '$1==img {print $3}')
-FROM_PEER=$(metric "$NET.0.12" 'ferry_served_total{kind="blob",source="peer"}')
-BYTES_PEER=$(metric "$NET.0.12" 'ferry_bytes_served_total{kind="blob",source="peer"}')
+FROM_PEER=$(metric "$NET.0.12" 'ferry_served_total{listener="mirror",kind="blob",source="peer"}')
+BYTES_PEER=$(metric "$NET.0.12" 'ferry_served_bytes_total{listener="mirror",kind="blob",source="peer"}')
 UP1=$(upstream_from "$NET.0.11")
 UP2=$(upstream_from "$NET.0.12")
 TAGS2=$(upstream_tags_from "$NET.0.12")

@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod oci;
 pub mod ops;
 pub mod problems;
+pub mod process;
 pub mod registry;
 pub mod routing;
 pub mod server;

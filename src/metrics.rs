@@ -5,10 +5,13 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
+    /// mirror (this node's containerd asks), peer (another node asks)
+    pub listener: &'static str,
     /// manifest, blob, base, other
     pub kind: &'static str,
     pub method: String,
@@ -16,16 +19,40 @@ pub struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
+    pub listener: &'static str,
     pub kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
+    /// mirror (answers to this node's containerd), peer (answers to other nodes)
+    pub listener: &'static str,
     /// manifest, blob
     pub kind: &'static str,
-    /// local (this node's containerd), peer (another node), miss (nobody: 404)
+    /// local (this node's containerd store), peer (another node), inflight (a download in
+    /// progress, on this node or a coalescing leader), miss (nobody: 404)
     pub source: &'static str,
+}
+
+/// Every listener, kind and source `ferry_served_total` counts: created at start, so every
+/// series exists (at 0) from the first scrape and `rate()` sees the first request.
+pub const LISTENERS: [&str; 2] = ["mirror", "peer"];
+pub const SERVED_KINDS: [&str; 2] = ["manifest", "blob"];
+pub const SOURCES: [&str; 4] = ["local", "peer", "inflight", "miss"];
+
+/// The sources each listener can answer from: a peer is answered from this node only.
+pub fn sources(listener: &str) -> &'static [&'static str] {
+    if listener == "peer" {
+        &["local", "inflight", "miss"]
+    } else {
+        &SOURCES
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -106,7 +133,7 @@ pub struct Metrics {
     registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
     pub request_duration: Family<KindLabels, Histogram>,
-    pub bytes_served: Family<SourceLabels, Counter>,
+    pub served_bytes: Family<SourceLabels, Counter>,
     pub served: Family<SourceLabels, Counter>,
     pub peer_lookups: Family<ResultLabels, Counter>,
     pub peer_lookup_duration: Histogram,
@@ -137,12 +164,22 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("ferry");
+        let mut root = Registry::default();
+        // The standard process_* names carry no prefix (dashboards expect them as they are).
+        root.register_collector(Box::new(crate::process::ProcessCollector));
+        let registry = root.sub_registry_with_prefix("ferry");
+        registry.register(
+            "build",
+            "Ferry's version (value 1)",
+            Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            }),
+        );
         let requests = Family::<RequestLabels, Counter>::default();
         let request_duration = Family::<KindLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(DURATION_BUCKETS)
         });
-        let bytes_served = Family::<SourceLabels, Counter>::default();
+        let served_bytes = Family::<SourceLabels, Counter>::default();
         let served = Family::<SourceLabels, Counter>::default();
         let peer_lookups = Family::<ResultLabels, Counter>::default();
         let peer_lookup_duration = Histogram::new(LOOKUP_BUCKETS);
@@ -163,22 +200,22 @@ impl Metrics {
         let corrupt_blobs = Counter::default();
         registry.register(
             "http_requests",
-            "Registry API requests by kind, method and status",
+            "Registry API requests by listener (mirror, peer), kind, method and status",
             requests.clone(),
         );
         registry.register(
             "http_request_duration_seconds",
-            "Time to the response headers of registry API requests",
+            "Time to the response headers of registry API requests, by listener and kind",
             request_duration.clone(),
         );
         registry.register(
-            "bytes_served",
-            "Bytes of manifests and blobs sent to clients, by where they came from",
-            bytes_served.clone(),
+            "served_bytes",
+            "Bytes of manifests and blobs sent, by listener (mirror: to this node's containerd; peer: to other nodes) and where they came from",
+            served_bytes.clone(),
         );
         registry.register(
             "served",
-            "Manifest and blob requests on the mirror address by source (local, peer, miss)",
+            "Manifest and blob requests answered, by listener (mirror: this node's containerd asked; peer: another node asked) and source (local, peer, inflight, miss)",
             served.clone(),
         );
         registry.register(
@@ -278,11 +315,26 @@ impl Metrics {
             "Time a follower waited for its leader's first byte",
             follow_wait.clone(),
         );
+        for listener in LISTENERS {
+            for kind in SERVED_KINDS {
+                for &source in sources(listener) {
+                    let labels = SourceLabels {
+                        listener,
+                        kind,
+                        source,
+                    };
+                    let _ = served.get_or_create(&labels);
+                    if source != "miss" {
+                        let _ = served_bytes.get_or_create(&labels);
+                    }
+                }
+            }
+        }
         Self {
-            registry,
+            registry: root,
             requests,
             request_duration,
-            bytes_served,
+            served_bytes,
             served,
             peer_lookups,
             peer_lookup_duration,

@@ -5,11 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::metrics::{Metrics, SourceLabels};
+use crate::metrics::{self, Metrics, SourceLabels};
 use crate::registry::recent::Pull;
-
-/// Every source the mirror counts (`ferry_served_total{source}`).
-const SOURCES: [&str; 4] = ["local", "peer", "inflight", "miss"];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
@@ -23,7 +20,8 @@ pub struct Status {
     pub this_node: Option<PeerView>,
     pub peers: Vec<PeerView>,
     pub advertised_keys: i64,
-    /// What this node's containerd got through the mirror, by kind and source.
+    /// What this node's containerd got through the mirror (`listener` "mirror") and what
+    /// this node served other nodes (`listener` "peer"), by kind and source.
     pub served: Vec<Served>,
     /// Blobs found not to match their digest before serving a peer.
     pub corrupt_blobs: u64,
@@ -51,28 +49,37 @@ pub struct PeerView {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Served {
+    pub listener: String,
     pub kind: String,
     pub source: String,
     pub requests: u64,
-    /// Counted for `local` and `peer` answers.
+    /// Bytes sent (not counted for misses).
     pub bytes: u64,
 }
 
 /// The counters of `metrics` that `Status` shows, nonzero ones only.
 pub fn served(metrics: &Metrics) -> Vec<Served> {
     let mut out = Vec::new();
-    for kind in ["manifest", "blob"] {
-        for source in SOURCES {
-            let labels = SourceLabels { kind, source };
-            let requests = metrics.served.get_or_create(&labels).get();
-            let bytes = metrics.bytes_served.get_or_create(&labels).get();
-            if requests > 0 || bytes > 0 {
-                out.push(Served {
-                    kind: kind.to_string(),
-                    source: source.to_string(),
-                    requests,
-                    bytes,
-                });
+    // Every one of these series exists from the start (`Metrics::new`): reading creates none.
+    for listener in metrics::LISTENERS {
+        for kind in metrics::SERVED_KINDS {
+            for &source in metrics::sources(listener) {
+                let labels = SourceLabels {
+                    listener,
+                    kind,
+                    source,
+                };
+                let requests = metrics.served.get_or_create(&labels).get();
+                let bytes = metrics.served_bytes.get_or_create(&labels).get();
+                if requests > 0 || bytes > 0 {
+                    out.push(Served {
+                        listener: listener.to_string(),
+                        kind: kind.to_string(),
+                        source: source.to_string(),
+                        requests,
+                        bytes,
+                    });
+                }
             }
         }
     }
@@ -122,23 +129,44 @@ impl Status {
                 self.corrupt_blobs
             ));
         }
-        out.push_str("served to this node's containerd (since start):\n");
-        if self.served.is_empty() {
-            out.push_str("  nothing yet\n");
+        for (listener, title) in [
+            ("mirror", "served to this node's containerd (since start):"),
+            ("peer", "served to other nodes (since start):"),
+        ] {
+            out.push_str(title);
+            out.push('\n');
+            let mine: Vec<&Served> = self
+                .served
+                .iter()
+                .filter(|s| s.listener == listener)
+                .collect();
+            if mine.is_empty() {
+                out.push_str("  nothing yet\n");
+            }
+            for s in mine {
+                let bytes = if s.bytes > 0 {
+                    format!(", {}", human(s.bytes))
+                } else {
+                    String::new()
+                };
+                out.push_str(&format!(
+                    "  {} from {}: {} answers{bytes}\n",
+                    s.kind,
+                    source_name(&s.source),
+                    s.requests
+                ));
+            }
         }
-        for s in &self.served {
-            let bytes = if s.bytes > 0 {
-                format!(", {}", human(s.bytes))
-            } else {
-                String::new()
-            };
-            out.push_str(&format!(
-                "  {} from {}: {} answers{bytes}\n",
-                s.kind,
-                source_name(&s.source),
-                s.requests
-            ));
-        }
+        let saved: u64 = self
+            .served
+            .iter()
+            .filter(|s| s.listener == "mirror" && matches!(s.source.as_str(), "peer" | "inflight"))
+            .map(|s| s.bytes)
+            .sum();
+        out.push_str(&format!(
+            "not downloaded from registries thanks to peers: {}\n",
+            human(saved)
+        ));
         if !self.recent.is_empty() {
             out.push_str("recent pulls (newest first):\n");
             for p in &self.recent {
@@ -209,6 +237,7 @@ mod tests {
             }],
             advertised_keys: 7,
             served: vec![Served {
+                listener: "mirror".into(),
                 kind: "blob".into(),
                 source: "peer".into(),
                 requests: 3,
@@ -232,6 +261,8 @@ mod tests {
             "12D3other at 10.0.0.2:5481",
             "keys advertised: 7",
             "blob from other nodes: 3 answers, 3.0 MiB",
+            "served to other nodes (since start):\n  nothing yet",
+            "thanks to peers: 3.0 MiB",
             "5s ago",
             "1.0 MiB  r/app@sha256:ab",
         ] {

@@ -98,7 +98,8 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     // from node 1.
     asked_upstream_only_the_tag(&registry, before, &node2);
     assert!(
-        node2.metric("ferry_served_total{kind=\"blob\",source=\"peer\"}") >= blobs as u64,
+        node2.metric("ferry_served_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}")
+            >= blobs as u64,
         "{}",
         node2.metrics()
     );
@@ -107,8 +108,21 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
         .map(|d| image.blob(d).len() as u64)
         .sum();
     assert_eq!(
-        node2.metric("ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}"),
+        node2.metric("ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}"),
         image_bytes
+    );
+    // The same bytes, seen from the node that served them: its peer listener counts them,
+    // its mirror listener (what its own containerd got) does not.
+    assert_eq!(
+        node1.metric("ferry_served_bytes_total{listener=\"peer\",kind=\"blob\",source=\"local\"}"),
+        image_bytes,
+        "{}",
+        node1.metrics()
+    );
+    assert_eq!(
+        node1
+            .metric("ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"local\"}"),
+        0
     );
     // An operator asks node 2 where its pulls came from: `ferry status`.
     let text = node2.status(false);
@@ -117,6 +131,7 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
         "containerd reachable: yes",
         "peers connected: ",
         "blob from other nodes",
+        "not downloaded from registries thanks to peers: ",
         "recent pulls",
     ] {
         assert!(text.contains(part), "{part:?} in:\n{text}");
@@ -314,7 +329,7 @@ fn an_ipv6_only_cluster_shares_every_blob_over_ipv6() {
         .map(|d| image.blob(d).len() as u64)
         .sum();
     assert_eq!(
-        node2.metric("ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}"),
+        node2.metric("ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}"),
         image_bytes,
         "every blob came from node 1"
     );

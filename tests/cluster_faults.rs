@@ -204,7 +204,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
         LAYERS + 1
     );
     assert_eq!(
-        n1.metric("ferry_bytes_served_total{kind=\"blob\",source=\"local\"}"),
+        n1.metric("ferry_served_bytes_total{listener=\"peer\",kind=\"blob\",source=\"local\"}"),
         image.blob(&layer0).len() as u64,
         "node 1 served only our token request's blob"
     );
@@ -317,7 +317,7 @@ fn faults_never_put_wrong_bytes_into_containerd_and_pulls_keep_working() {
     };
     // Kill node 3's Ferry once node 2 is receiving layers from it, not before. (Node 2's
     // metrics: node 3's own link is the slow one.)
-    let from_peer = "ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}";
+    let from_peer = "ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}";
     let before = n2.metric(from_peer);
     wait_for("node 2 receiving from node 3", || {
         // A pull that ended without it would make the kill below test nothing: say why.

@@ -106,7 +106,8 @@ fn a_moved_tag_reaches_the_node_that_had_it_and_a_node_that_never_did() {
         "node 2 asked the registry for the tag only; digests came from node 1"
     );
     assert!(
-        node2.metric("ferry_served_total{kind=\"blob\",source=\"peer\"}") >= (LAYERS + 1) as u64,
+        node2.metric("ferry_served_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}")
+            >= (LAYERS + 1) as u64,
         "{}",
         node2.metrics()
     );

@@ -188,7 +188,11 @@ fn containerd_pulls_through_ferry_and_ferry_serves_every_blob_byte_for_byte() {
     let text = String::from_utf8_lossy(&metrics.body);
     let served: u64 = text
         .lines()
-        .find(|l| l.starts_with("ferry_bytes_served_total{kind=\"blob\",source=\"local\"}"))
+        .find(|l| {
+            l.starts_with(
+                "ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"local\"}",
+            )
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);

@@ -268,11 +268,18 @@ async fn a_local_miss_is_served_by_the_node_that_has_it_over_real_libp2p() {
         assert!(start.elapsed() < EVENTUALLY, "B never found A's layer");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(metric(b.ops, "ferry_served_total{kind=\"blob\",source=\"peer\"}").await >= 1);
+    assert!(
+        metric(
+            b.ops,
+            "ferry_served_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}"
+        )
+        .await
+            >= 1
+    );
     assert_eq!(
         metric(
             b.ops,
-            "ferry_bytes_served_total{kind=\"blob\",source=\"peer\"}"
+            "ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}"
         )
         .await,
         LAYER_BYTES as u64

@@ -7,10 +7,10 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 
 use super::ApiError;
-use crate::metrics::{LookupLabels, Metrics, SourceLabels};
+use crate::metrics::{LookupLabels, Metrics};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
 use crate::store::{ContentStore, StoreError};
@@ -86,13 +86,6 @@ impl Local {
         if head {
             return Ok(response.body(Body::empty()).unwrap_or_default());
         }
-        self.metrics
-            .bytes_served
-            .get_or_create(&SourceLabels {
-                kind: "manifest",
-                source: "local",
-            })
-            .inc_by(bytes.len() as u64);
         response = response.header(header::ETAG, format!("\"{digest}\""));
         Ok(response.body(Body::from(bytes)).unwrap_or_default())
     }
@@ -139,23 +132,9 @@ impl Local {
             .open(digest, range)
             .await
             .map_err(ApiError::blob)?;
-        let counter = self
-            .metrics
-            .bytes_served
-            .get_or_create(&SourceLabels {
-                kind: "blob",
-                source: "local",
-            })
-            .clone();
         // Content-Length is set, so a stream that ends early or errors makes hyper drop the
         // connection: containerd sees a failed transfer, never a short blob.
-        let body = Body::from_stream(
-            stream
-                .inspect_ok(move |chunk| {
-                    counter.inc_by(chunk.len() as u64);
-                })
-                .boxed(),
-        );
+        let body = Body::from_stream(stream);
         Ok(response.body(body).unwrap_or_default())
     }
 

@@ -22,14 +22,14 @@ use super::in_flight::{self, InFlightBody};
 use super::local::Local;
 use super::peer::{PeerFetcher, PeerRequest};
 use super::recent::RecentPulls;
-use super::request::{self, Request};
+use super::request::{self, Listener, Request};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};
 use super::{ApiError, HOP_HEADER};
 use crate::coalesce::inflight::Landing;
 use crate::coalesce::local::Transfer;
 use crate::coalesce::{Coalescer, Decision};
-use crate::metrics::{Metrics, SourceLabels, TagLabels};
+use crate::metrics::{Metrics, TagLabels};
 use crate::oci::registry::{Registries, RegistryFilters};
 use crate::oci::{ApiPath, Digest, Reference};
 use crate::store::ContentStore;
@@ -89,6 +89,7 @@ async fn handle(
 ) -> Response {
     let state = &mirror.state;
     request::handle(
+        Listener::Mirror,
         &state.metrics,
         &state.registries,
         (&method, &uri, &headers),
@@ -130,7 +131,7 @@ async fn resolve_tag(
             .tag_requests
             .get_or_create(&TagLabels { answer })
             .inc();
-        count_served(state, req, what(), "manifest", source, response);
+        remember(state, req, what(), "manifest", source, response);
     };
     // Without the registry (`ns`), a tag is ambiguous across registries; without peers, or
     // for a request from a peer, there is no one to ask.
@@ -164,6 +165,7 @@ async fn resolve_tag(
     {
         Some(response) => {
             count("peers", "peer", Some(&response));
+            let response = request::sourced(response, "peer");
             tracing::info!(
                 registry = ns,
                 name,
@@ -226,9 +228,8 @@ async fn follow(
         if let Some(response) = got {
             coalesce.count("follower", "served");
             let what = format!("{ns}/{name}@{digest}");
-            count_served(state, req, what, kind.label(), "inflight", Some(&response));
             tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
-            return Ok(response);
+            return Ok(served_by(state, req, what, kind, "inflight", response));
         }
         coalesce.count("follower", "failed");
         tracing::info!(%digest, leader = %leader.id, "the leader gave nothing in time; reporting it");
@@ -273,10 +274,7 @@ async fn by_digest(
     let state = &mirror.state;
     let what = || format!("{}/{name}@{digest}", req.ns.as_deref().unwrap_or("-"));
     match local(mirror, req, name, digest, kind).await {
-        Ok(response) => {
-            count_served(state, req, what(), kind.label(), "local", Some(&response));
-            return Ok(response);
-        }
+        Ok(response) => return Ok(served_by(state, req, what(), kind, "local", response)),
         Err(ApiError::ManifestUnknown | ApiError::BlobUnknown) => {}
         Err(other) => return Err(other),
     }
@@ -286,14 +284,7 @@ async fn by_digest(
         if !matches!(shared, Landing::Nothing)
             && let Some(response) = share(state, coalesce, req, digest, kind, shared).await
         {
-            count_served(
-                state,
-                req,
-                what(),
-                kind.label(),
-                "inflight",
-                Some(&response),
-            );
+            let response = served_by(state, req, what(), kind, "inflight", response);
             return Ok(keep(response, Some(mine)));
         }
         transfer = Some(mine);
@@ -319,14 +310,14 @@ async fn by_digest(
             }
         };
         if let Some(response) = got {
-            count_served(state, req, what(), kind.label(), "peer", Some(&response));
+            let response = served_by(state, req, what(), kind, "peer", response);
             return Ok(keep(response, transfer));
         }
     }
     match follow(mirror, req, name, digest, kind).await {
         Ok(response) => Ok(keep(response, transfer)),
         Err(e) => {
-            count_served(state, req, what(), kind.label(), "miss", None);
+            remember(state, req, what(), kind.label(), "miss", None);
             Err(e)
         }
     }
@@ -429,9 +420,9 @@ fn keep(response: Response, transfer: Option<Transfer>) -> Response {
     Response::from_parts(parts, Body::from_stream(body))
 }
 
-/// Counts an answer (`ferry_served_total`) and keeps it among the recent pulls (`ferry status`;
-/// HEADs are containerd's existence checks before a GET, not pulls of their own).
-fn count_served(
+/// Keeps an answer among the recent pulls (`ferry status`; HEADs are containerd's existence
+/// checks before a GET, not pulls of their own).
+fn remember(
     state: &MirrorState,
     req: &Request<'_>,
     what: String,
@@ -439,11 +430,6 @@ fn count_served(
     source: &'static str,
     response: Option<&Response>,
 ) {
-    state
-        .metrics
-        .served
-        .get_or_create(&SourceLabels { kind, source })
-        .inc();
     if req.head {
         return;
     }
@@ -451,4 +437,18 @@ fn count_served(
         .and_then(|r| r.headers().get(header::CONTENT_LENGTH))
         .and_then(|v| v.to_str().ok()?.parse().ok());
     state.recent.record(kind, what, source, bytes);
+}
+
+/// `response`, remembered and marked as coming from `source`, for `request::handle` to count
+/// (`ferry_served_total`, `ferry_served_bytes_total`).
+fn served_by(
+    state: &MirrorState,
+    req: &Request<'_>,
+    what: String,
+    kind: Kind,
+    source: &'static str,
+    response: Response,
+) -> Response {
+    remember(state, req, what, kind.label(), source, Some(&response));
+    request::sourced(response, source)
 }

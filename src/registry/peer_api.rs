@@ -29,7 +29,7 @@ use super::in_flight::{self, InFlightBody};
 use super::integrity::{Check, Integrity};
 use super::local::Local;
 use super::peer::ClaimAnswer;
-use super::request::{self, Request};
+use super::request::{self, Listener, Request};
 use crate::coalesce::inflight::{Ingest, Landing};
 use crate::coalesce::{CLAIM_PATH, Coalescer, FOLLOW_HEADER};
 use crate::metrics::{Metrics, ReasonLabels};
@@ -130,6 +130,7 @@ async fn handle(
 ) -> Response {
     let state = &api.state;
     request::handle(
+        Listener::Peer,
         &state.metrics,
         &state.registries,
         (&method, &uri, &headers),
@@ -268,7 +269,8 @@ async fn in_flight(
         Err(_) => return settled().await,
     };
     if matches!(req.path, ApiPath::Manifest { .. }) {
-        return in_flight::manifest(req.head, digest, stream, ingest.total).await;
+        let response = in_flight::manifest(req.head, digest, stream, ingest.total).await?;
+        return Ok(request::sourced(response, "inflight"));
     }
     tracing::debug!(%digest, start, total = ingest.total, "serving a follower from the download in progress");
     // The follower checks the digest itself: not hashed twice.
@@ -279,7 +281,8 @@ async fn in_flight(
         verify: false,
     };
     let counter = api.state.metrics.inflight_bytes.clone();
-    Ok(in_flight::blob(req.head, digest, body, counter))
+    let response = in_flight::blob(req.head, digest, body, counter);
+    Ok(request::sourced(response, "inflight"))
 }
 
 /// Peer requests carry a token signed with the cluster secret (when there is one). Checked

@@ -6,9 +6,10 @@ use std::time::Instant;
 
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
 
 use super::ApiError;
-use crate::metrics::{KindLabels, Metrics, RequestLabels};
+use crate::metrics::{KindLabels, Metrics, RequestLabels, SourceLabels};
 use crate::oci::registry::{Registries, registry_host};
 use crate::oci::{self, ApiPath, path};
 
@@ -38,10 +39,41 @@ impl Request<'_> {
     }
 }
 
+/// Which address a request came in on, as the metrics' `listener` label says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Listener {
+    /// This node's containerd asks.
+    Mirror,
+    /// Another node asks.
+    Peer,
+}
+
+impl Listener {
+    fn label(self) -> &'static str {
+        match self {
+            Listener::Mirror => "mirror",
+            Listener::Peer => "peer",
+        }
+    }
+}
+
+/// Where an answer came from (`local`, `peer`, `inflight`), set on the response by the policy
+/// that chose it and counted by [`handle`], the one place that counts answers and their bytes.
+/// An answer without one came from this node's store.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Source(pub &'static str);
+
+/// `response`, marked as coming from `source`.
+pub(super) fn sourced(mut response: Response, source: &'static str) -> Response {
+    response.extensions_mut().insert(Source(source));
+    response
+}
+
 /// Runs `precheck` (the peer address's token check, before anything is looked at), parses
 /// `method`, `uri` and `?ns=` into a [`Request`] (pulls only; registries not mirrored are
 /// refused), runs `answer` on it, and counts and logs what it answered.
 pub(super) async fn handle<'a, F, Fut>(
+    listener: Listener,
     metrics: &Metrics,
     registries: &Registries,
     (method, uri, headers): (&Method, &Uri, &'a HeaderMap),
@@ -80,14 +112,33 @@ where
             headers,
         })
     })();
-    let response = match request {
-        Ok(request) => answer(request).await.unwrap_or_else(|e| e.into_response()),
-        Err(e) => e.into_response(),
+    let head = *method == Method::HEAD;
+    let (response, source) = match request {
+        Ok(request) => match answer(request).await {
+            Ok(r) => {
+                let source = r.extensions().get::<Source>().map_or("local", |s| s.0);
+                (r, Some(source))
+            }
+            // Nobody had it (this node, its peers, a leader): what `source="miss"` counts.
+            Err(e @ (ApiError::ManifestUnknown | ApiError::BlobUnknown)) => {
+                (e.into_response(), Some("miss"))
+            }
+            Err(e) => (e.into_response(), None),
+        },
+        Err(e) => (e.into_response(), None),
+    };
+    let listener = listener.label();
+    let response = match (kind, source) {
+        ("manifest" | "blob", Some(source)) => {
+            count_served(metrics, listener, kind, source, head, response)
+        }
+        _ => response,
     };
     let status = response.status().as_u16();
     metrics
         .requests
         .get_or_create(&RequestLabels {
+            listener,
             kind,
             // A fixed set: any other token is a valid HTTP method, and a label per spelling
             // would grow without bound.
@@ -103,10 +154,12 @@ where
     let elapsed = started.elapsed();
     metrics
         .request_duration
-        .get_or_create(&KindLabels { kind })
+        .get_or_create(&KindLabels { listener, kind })
         .observe(elapsed.as_secs_f64());
     tracing::debug!(
+        listener,
         %method,
+        source = source.unwrap_or("-"),
         path = uri.path(),
         query = uri.query().unwrap_or(""),
         status,
@@ -115,6 +168,36 @@ where
         "served"
     );
     response
+}
+
+/// Counts an answer (`ferry_served_total`) and, as its body is sent, its bytes
+/// (`ferry_served_bytes_total`): bytes that reached the client, not bytes promised.
+fn count_served(
+    metrics: &Metrics,
+    listener: &'static str,
+    kind: &'static str,
+    source: &'static str,
+    head: bool,
+    response: Response,
+) -> Response {
+    let labels = SourceLabels {
+        listener,
+        kind,
+        source,
+    };
+    metrics.served.get_or_create(&labels).inc();
+    if head || source == "miss" {
+        return response;
+    }
+    let counter = metrics.served_bytes.get_or_create(&labels).clone();
+    let (parts, body) = response.into_parts();
+    let counted = body.map_frame(move |frame| {
+        if let Some(data) = frame.data_ref() {
+            counter.inc_by(data.len() as u64);
+        }
+        frame
+    });
+    Response::from_parts(parts, axum::body::Body::new(counted))
 }
 
 /// The upstream registry containerd is pulling from, from `?ns=`.

@@ -317,11 +317,46 @@ async fn hits_misses_and_bytes_are_counted() {
         "{text}"
     );
     assert!(
-        text.contains(r#"ferry_bytes_served_total{kind="blob",source="local"} 100000"#),
+        text.contains(
+            r#"ferry_served_bytes_total{listener="mirror",kind="blob",source="local"} 100000"#
+        ),
         "{text}"
     );
     assert!(
-        text.contains(r#"ferry_http_requests_total{kind="blob",method="GET",status="404"} 1"#),
+        text.contains(r#"ferry_http_requests_total{listener="mirror",kind="blob",method="GET",status="404"} 1"#),
         "{text}"
     );
+}
+
+#[tokio::test]
+async fn each_listener_counts_its_own_answers_and_bytes() {
+    let f = fixture();
+    let blob = format!("/v2/library/app/blobs/{}", f.layer);
+    // Another node asks this node's peer address twice (once a HEAD), this node's containerd
+    // asks the mirror once, and once for something nobody has.
+    call_at(&f, Address::Peer, Registries::All, "GET", &blob).await;
+    call_at(&f, Address::Peer, Registries::All, "HEAD", &blob).await;
+    call(&f, Registries::All, "GET", &blob).await;
+    let absent = format!("/v2/x/blobs/{}", Digest::sha256_of(b"absent"));
+    call(&f, Registries::All, "GET", &absent).await;
+    let text = f.metrics.encode();
+    for line in [
+        r#"ferry_served_total{listener="peer",kind="blob",source="local"} 2"#,
+        r#"ferry_served_bytes_total{listener="peer",kind="blob",source="local"} 100000"#,
+        r#"ferry_served_total{listener="mirror",kind="blob",source="local"} 1"#,
+        r#"ferry_served_bytes_total{listener="mirror",kind="blob",source="local"} 100000"#,
+        r#"ferry_served_total{listener="mirror",kind="blob",source="miss"} 1"#,
+        // Every series exists from the start: the first request shows in `rate()`.
+        r#"ferry_served_total{listener="mirror",kind="blob",source="peer"} 0"#,
+        r#"ferry_served_bytes_total{listener="peer",kind="manifest",source="inflight"} 0"#,
+        r#"ferry_http_requests_total{listener="peer",kind="blob",method="HEAD",status="200"} 1"#,
+        r#"ferry_build_info{version=""#,
+        "process_resident_memory_bytes ",
+        "process_open_fds ",
+        "process_cpu_seconds_total ",
+    ] {
+        assert!(text.contains(line), "{line} in:\n{text}");
+    }
+    // No series a listener cannot have (a peer is never answered from another peer).
+    assert!(!text.contains(r#"listener="peer",kind="blob",source="peer""#));
 }

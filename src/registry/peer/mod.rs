@@ -24,7 +24,7 @@ use futures::{FutureExt, StreamExt};
 
 use crate::coalesce::ClaimSender;
 use crate::coalesce::leases::Grant;
-use crate::metrics::{Metrics, ResultLabels, SourceLabels};
+use crate::metrics::{Metrics, ResultLabels};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
 use crate::routing::{Peer, Router, digest_key, tag_key};
@@ -202,7 +202,6 @@ impl PeerFetcher {
                     Ok(whole) => {
                         let start = fetch.start as usize;
                         let part = whole.slice(start..start + fetch.len as usize);
-                        self.count_peer_bytes("blob", part.len());
                         return Some(fetch.response(Body::from(part)));
                     }
                     Err(failure) => {
@@ -222,19 +221,7 @@ impl PeerFetcher {
                 ns: req.ns.map(str::to_string),
             };
             let body = ResumingBody::new(fetch.clone(), peer.clone(), first, remaining, resume);
-            let metrics = self.metrics.clone();
-            let counted = body.into_stream().inspect(move |chunk| {
-                if let Ok(c) = chunk {
-                    metrics
-                        .bytes_served
-                        .get_or_create(&SourceLabels {
-                            kind: "blob",
-                            source: "peer",
-                        })
-                        .inc_by(c.len() as u64);
-                }
-            });
-            return Some(fetch.response(Body::from_stream(counted)));
+            return Some(fetch.response(Body::from_stream(body.into_stream())));
         }
         None
     }
@@ -276,16 +263,6 @@ impl PeerFetcher {
             return Err(PeerFailure::Verify(fetch.digest.to_string()));
         }
         Ok(bytes)
-    }
-
-    fn count_peer_bytes(&self, kind: &'static str, n: usize) {
-        self.metrics
-            .bytes_served
-            .get_or_create(&SourceLabels {
-                kind,
-                source: "peer",
-            })
-            .inc_by(n as u64);
     }
 
     /// A manifest from the first provider whose bytes match the digest (asked for, or the
@@ -331,7 +308,6 @@ impl PeerFetcher {
                     let body = if req.head {
                         Body::empty()
                     } else {
-                        self.count_peer_bytes("manifest", len);
                         Body::from(bytes)
                     };
                     return Response::builder()
