@@ -319,6 +319,12 @@ pub async fn serve(
             readiness.clone(),
             token.clone(),
         ));
+        tracker.spawn(kubernetes::misconfigured::report(
+            client.clone(),
+            node.clone(),
+            problems.clone(),
+            token.clone(),
+        ));
     }
     let peers = match peering {
         Peering::Off => None,

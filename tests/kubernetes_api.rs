@@ -164,6 +164,79 @@ fn a_node_without_the_taint_is_left_alone() {
     );
 }
 
+/// A node whose containerd config defeats Ferry (the kubelet's pulls would not use the hosts
+/// dir; unpacked layers are discarded, so the node has nothing to share): each problem is a
+/// `FerryMisconfigured` Warning on the node, with its fix, once; the node still becomes ready.
+#[test]
+fn each_configuration_problem_is_a_warning_event_on_the_node_once() {
+    let rt = runtime();
+    let tmp = tempfile::tempdir().unwrap();
+    let cluster: Shared = Arc::new(Mutex::new(Cluster::default()));
+    cluster.lock().unwrap().nodes.push(kube_api::node(
+        "node-a",
+        json!([{"key": TAINT, "effect": "NoSchedule"}]),
+    ));
+    let api = rt.block_on(kube_api::serve(cluster.clone()));
+    let kubeconfig = kube_api::kubeconfig(tmp.path(), &format!("http://{api}"));
+    let containerd = Containerd::start(&tmp.path().join("node"));
+    let config = tmp.path().join("containerd-config.toml");
+    std::fs::write(
+        &config,
+        "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  discard_unpacked_layers = true\n",
+    )
+    .unwrap();
+    let (_ferry, _, _) = start_ferry(
+        tmp.path(),
+        &containerd,
+        &kubeconfig,
+        &[
+            "--p2p",
+            "false",
+            "--node-name",
+            "node-a",
+            "--containerd-config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let warnings = || -> Vec<serde_json::Value> {
+        cluster
+            .lock()
+            .unwrap()
+            .events
+            .iter()
+            .filter(|e| e["reason"] == "FerryMisconfigured")
+            .cloned()
+            .collect()
+    };
+    wait_for("both warnings", || warnings().len() >= 2);
+    wait_for("the taint lifted all the same", || {
+        !taints(&cluster, "node-a").contains(&TAINT.to_string())
+    });
+    // Two more looks (every 5 s): a problem that still holds is not reported again.
+    std::thread::sleep(Duration::from_secs(11));
+    let events = warnings();
+    assert_eq!(events.len(), 2, "{events:#?}");
+    for (problem, fix) in [
+        ("cri_config_path_unset", "config_path"),
+        ("discard_unpacked_layers", "discard_unpacked_layers = false"),
+    ] {
+        let event = events
+            .iter()
+            .find(|e| e["message"].as_str().unwrap().starts_with(problem))
+            .unwrap_or_else(|| panic!("{problem} in {events:#?}"));
+        assert_eq!(event["type"], "Warning");
+        assert_eq!(event["involvedObject"]["kind"], "Node");
+        assert_eq!(event["involvedObject"]["name"], "node-a");
+        // `kubectl describe node` finds a node's events by a uid equal to its name.
+        assert_eq!(event["involvedObject"]["uid"], "node-a");
+        assert_eq!(event["source"]["component"], "ferry");
+        assert!(
+            event["message"].as_str().unwrap().contains(fix),
+            "{problem}: the fix in {event}"
+        );
+    }
+}
+
 #[test]
 fn peers_are_bootstrapped_from_the_daemonsets_pods() {
     let rt = runtime();

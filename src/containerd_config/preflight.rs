@@ -205,7 +205,7 @@ fn check_table(doc: &toml::Table, hosts_dir: &Path) -> Vec<Warning> {
         warnings.push(Warning::new(
             "cri_config_path_unset",
             format!(
-                "CRI registry config_path is not set, so kubelet's pulls will not use Ferry; set it to \"{}\"",
+                "CRI registry config_path is not set, so kubelet's pulls will not use Ferry; set config_path = \"{}\" in the CRI plugin's registry section and restart containerd",
                 hosts_dir.display()
             ),
         ));
@@ -213,7 +213,7 @@ fn check_table(doc: &toml::Table, hosts_dir: &Path) -> Vec<Warning> {
         warnings.push(Warning::new(
             "cri_config_path_elsewhere",
             format!(
-                "CRI registry config_path is \"{config_path}\" but Ferry writes to \"{}\"; kubelet's pulls will not use Ferry",
+                "CRI registry config_path is \"{config_path}\" but Ferry writes to \"{}\"; kubelet's pulls will not use Ferry; run Ferry with --hosts-dir \"{config_path}\" (chart: containerd.hostsDir), or add Ferry's dir to config_path (a colon-separated list)",
                 hosts_dir.display()
             ),
         ));
@@ -225,13 +225,13 @@ fn check_table(doc: &toml::Table, hosts_dir: &Path) -> Vec<Warning> {
     if has_mirrors {
         warnings.push(Warning::new(
             "cri_registry_mirrors",
-            "deprecated registry.mirrors is set; containerd does not combine it with config_path",
+            "deprecated registry.mirrors is set; containerd does not combine it with config_path: move each mirror into a hosts.toml under config_path, remove registry.mirrors and restart containerd",
         ));
     }
     if discard.and_then(|d| d.as_bool()) == Some(true) {
         warnings.push(Warning::new(
             "discard_unpacked_layers",
-            "discard_unpacked_layers = true: containerd deletes layers after unpacking, so Ferry cannot serve them to anyone",
+            "discard_unpacked_layers = true: containerd deletes layers after unpacking, so Ferry cannot serve them to anyone; set discard_unpacked_layers = false and restart containerd (images pulled before keep no layers until pulled again)",
         ));
     }
     warnings

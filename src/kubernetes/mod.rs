@@ -1,5 +1,6 @@
-//! Kubernetes: peer bootstrap from the pods of Ferry's DaemonSet, the node-ready taint, and
-//! the uninstall hook's wait (`ferry wait-cleanup`).
+//! Kubernetes: peer bootstrap from the pods of Ferry's DaemonSet, the node-ready taint, events
+//! on the node (ready; each configuration problem with its fix), and the uninstall hook's wait
+//! (`ferry wait-cleanup`).
 //!
 //! The API server is reached the standard way (in-cluster service account, or `KUBECONFIG`),
 //! never through cluster DNS, which runs in the pod network and waits for the CNI like
@@ -8,6 +9,8 @@
 
 pub mod bootstrap;
 pub mod cleanup_wait;
+pub mod events;
+pub mod misconfigured;
 pub mod taint;
 
 /// A client from the in-cluster configuration or `KUBECONFIG`. Reads local files only.

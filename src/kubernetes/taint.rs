@@ -5,20 +5,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Event, EventSource, Node, ObjectReference};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use tokio_util::sync::CancellationToken;
 
+use super::events::{self, NodeEvent};
 use crate::ops::Readiness;
 
 /// How often readiness is checked before the taint can go.
 const READY_POLL: Duration = Duration::from_millis(100);
 const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(30);
-/// Nodes are cluster-scoped; their events live here, as kubelet's do.
-const EVENT_NAMESPACE: &str = "default";
 
 #[derive(Debug, Clone)]
 pub struct TaintConfig {
@@ -110,36 +108,14 @@ async fn record_event(
     node: &str,
     outcome: Outcome,
 ) -> Result<(), kube::Error> {
-    let events: Api<Event> = Api::namespaced(client.clone(), EVENT_NAMESPACE);
-    let now = Time(k8s_openapi::chrono::Utc::now());
     let message = match outcome {
         Outcome::Removed => "Ferry mirror is ready; node-ready taint removed",
         Outcome::NotTainted => "Ferry mirror is ready",
     };
-    let event = Event {
-        metadata: ObjectMeta {
-            generate_name: Some(format!("{node}.ferry-ready.")),
-            namespace: Some(EVENT_NAMESPACE.to_string()),
-            ..ObjectMeta::default()
-        },
-        involved_object: ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Node".into()),
-            name: Some(node.to_string()),
-            ..ObjectReference::default()
-        },
-        reason: Some("FerryReady".into()),
-        message: Some(message.into()),
-        type_: Some("Normal".into()),
-        source: Some(EventSource {
-            component: Some("ferry".into()),
-            host: Some(node.to_string()),
-        }),
-        first_timestamp: Some(now.clone()),
-        last_timestamp: Some(now),
-        count: Some(1),
-        ..Event::default()
+    let event = NodeEvent {
+        reason: "FerryReady",
+        type_: "Normal",
+        message,
     };
-    events.create(&PostParams::default(), &event).await?;
-    Ok(())
+    events::record(client, node, event).await
 }

@@ -1,0 +1,133 @@
+//! Configuration problems (`problems.rs`) as `FerryMisconfigured` Warning events on this
+//! node, with the fix: where an operator looks first (`kubectl describe node`, `kubectl get
+//! events`) when a node's pulls do not come from peers. Readiness is not touched: a node is
+//! never kept out of service by a warning.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::events::{self, NodeEvent};
+use crate::problems::Problems;
+
+/// How often the problems are looked at: they change at most every few seconds (the
+/// containerd config is re-read each minute; a handshake failure holds for a while).
+pub const POLL: Duration = Duration::from_secs(5);
+/// A problem that comes back this soon after it was reported is not reported again (a flapping
+/// peer network would otherwise write an event every few seconds).
+pub const REPEAT_AFTER: Duration = Duration::from_secs(600);
+
+/// Which problems to report now, given those that hold (`current`) and the last report of
+/// each; updates `state`. A problem is reported when it appears, unless it was reported less
+/// than `REPEAT_AFTER` ago.
+#[derive(Debug, Default)]
+pub struct Reporter {
+    /// What held at the last look.
+    holding: BTreeSet<&'static str>,
+    /// When each problem was last reported.
+    reported: BTreeMap<&'static str, Instant>,
+}
+
+impl Reporter {
+    pub fn due(&mut self, current: &[(&'static str, String)], now: Instant) -> Vec<&'static str> {
+        let holding: BTreeSet<&'static str> = current.iter().map(|(p, _)| *p).collect();
+        let due = holding
+            .iter()
+            .filter(|p| !self.holding.contains(*p))
+            .filter(|p| {
+                self.reported
+                    .get(*p)
+                    .is_none_or(|t| now.duration_since(*t) >= REPEAT_AFTER)
+            })
+            .copied()
+            .collect();
+        self.holding = holding;
+        due
+    }
+
+    /// `problem` was reported at `now`.
+    pub fn reported(&mut self, problem: &'static str, now: Instant) {
+        self.reported.insert(problem, now);
+    }
+
+    /// The event for `problem` could not be written: try again at the next look.
+    pub fn failed(&mut self, problem: &'static str) {
+        self.holding.remove(problem);
+    }
+}
+
+/// Reports each problem of this node as it appears, until cancelled. Runs on its own task: an
+/// API server that is down delays nothing but the event.
+pub async fn report(
+    client: kube::Client,
+    node: String,
+    problems: Arc<Problems>,
+    token: CancellationToken,
+) {
+    let mut reporter = Reporter::default();
+    loop {
+        let current = problems.current();
+        let now = Instant::now();
+        for problem in reporter.due(&current, now) {
+            let detail = current
+                .iter()
+                .find(|(p, _)| *p == problem)
+                .map_or("", |(_, d)| d.as_str());
+            let message = format!("{problem}: {detail}");
+            let event = NodeEvent {
+                reason: "FerryMisconfigured",
+                type_: "Warning",
+                message: &message,
+            };
+            match events::record(&client, &node, event).await {
+                Ok(()) => reporter.reported(problem, now),
+                Err(e) => {
+                    tracing::warn!(%node, problem, error = %e, "cannot record the FerryMisconfigured event; trying again");
+                    reporter.failed(problem);
+                }
+            }
+        }
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(POLL) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(names: &[&'static str]) -> Vec<(&'static str, String)> {
+        names.iter().map(|n| (*n, String::new())).collect()
+    }
+
+    #[test]
+    fn a_problem_is_reported_when_it_appears_and_not_again_while_it_flaps() {
+        let mut r = Reporter::default();
+        let t0 = Instant::now();
+        assert_eq!(r.due(&p(&["no_peers"]), t0), ["no_peers"]);
+        r.reported("no_peers", t0);
+        assert!(r.due(&p(&["no_peers"]), t0).is_empty(), "still holding");
+        assert!(r.due(&p(&[]), t0).is_empty());
+        // Back within ten minutes: not again; back later: again.
+        assert!(r.due(&p(&["no_peers"]), t0 + POLL).is_empty());
+        r.due(&p(&[]), t0 + POLL * 2);
+        let later = t0 + REPEAT_AFTER;
+        assert_eq!(
+            r.due(&p(&["no_peers", "discard_unpacked_layers"]), later),
+            ["discard_unpacked_layers", "no_peers"]
+        );
+    }
+
+    #[test]
+    fn a_report_that_failed_is_tried_again() {
+        let mut r = Reporter::default();
+        let t0 = Instant::now();
+        assert_eq!(r.due(&p(&["no_peers"]), t0), ["no_peers"]);
+        r.failed("no_peers");
+        assert_eq!(r.due(&p(&["no_peers"]), t0 + POLL), ["no_peers"]);
+    }
+}
