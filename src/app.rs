@@ -368,6 +368,7 @@ pub async fn serve(
         }
     });
     let (exposed_tx, exposed) = sync::exposure();
+    let exposed_view = exposed.clone();
     let tags = peers
         .as_ref()
         .map_or(ResolveTags::Never, |(_, _, (tags, _), _)| *tags);
@@ -394,7 +395,7 @@ pub async fn serve(
         store: store.clone(),
         registries: config.registries.clone(),
         metrics: metrics.clone(),
-        peers: fetcher,
+        peers: fetcher.clone(),
         tags,
         upstream,
         filters: config.registry_filters.clone(),
@@ -443,6 +444,9 @@ pub async fn serve(
             problems: problems.clone(),
             recent,
             peers: peers.as_ref().map(|(router, _, _, _)| router.clone()),
+            fetcher,
+            exposed: peers.as_ref().map(|_| exposed_view),
+            debug_page: config.debug_page,
             node: config.kubernetes.node_name.clone(),
         }),
     );

@@ -185,6 +185,10 @@ pub struct Flags {
         value_name = "LIST"
     )]
     pub registry_filters: Option<String>,
+    /// Serve a debug page at /debug on the metrics address, to clients on this host only
+    /// (peers, what this node advertises, recent pulls, a test pull) [default: false]
+    #[arg(long, global = true, env = "FERRY_DEBUG_PAGE", value_name = "BOOL")]
+    pub debug_page: Option<String>,
     /// Allow a mirror address that is not loopback [default: false]
     #[arg(
         long,
@@ -285,6 +289,7 @@ impl Flags {
             ("cluster-secret-file", &self.cluster_secret_file),
             ("registry-filters", &self.registry_filters),
             ("mirror-allow-remote", &self.mirror_allow_remote),
+            ("debug-page", &self.debug_page),
             ("peer-connect-timeout", &self.peer_connect_timeout),
             ("peer-first-byte-timeout", &self.peer_first_byte_timeout),
             ("peer-idle-timeout", &self.peer_idle_timeout),

@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 35] = [
+pub const KEYS: [(&str, &str); 36] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -25,6 +25,7 @@ pub const KEYS: [(&str, &str); 35] = [
     ("mirror-addr", "127.0.0.1:5480"),
     ("mirror-target", ""),
     ("metrics-addr", "[::]:5483"),
+    ("debug-page", "false"),
     ("data-dir", "/var/lib/ferry"),
     ("peer-addr", ""),
     ("p2p-addr", "0.0.0.0:5482"),
@@ -66,6 +67,8 @@ pub struct Config {
     /// loopback). Set when the mirror is reached another way (the chart's pod-network mode).
     pub mirror_target: Option<String>,
     pub metrics_addr: SocketAddr,
+    /// `/debug` on the metrics address (this host's clients only).
+    pub debug_page: bool,
     pub data_dir: PathBuf,
     pub p2p: Option<P2pSettings>,
     pub cluster_secret: Option<ClusterSecret>,
@@ -189,6 +192,7 @@ impl Config {
             mirror_addr,
             mirror_target: mirror_target(&value("mirror-target"))?,
             metrics_addr: addr("metrics-addr", &value("metrics-addr"))?,
+            debug_page: boolean("debug-page", &value("debug-page"))?,
             data_dir: path("data-dir", &value("data-dir"))?,
             p2p: p2p_settings(value)?,
             cluster_secret: match value("cluster-secret-file").as_str() {

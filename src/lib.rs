@@ -31,6 +31,7 @@ pub mod cli;
 pub mod coalesce;
 pub mod config;
 pub mod containerd_config;
+pub mod debug_page;
 pub mod kubernetes;
 pub mod limits;
 pub mod metrics;

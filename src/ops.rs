@@ -1,5 +1,5 @@
 //! The operations listener: `/metrics`, `/healthz`, `/readyz`, `/status` (what `ferry status`
-//! prints, as JSON).
+//! prints, as JSON) and, when turned on, `/debug` (the same as a page, and a test pull).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,8 +10,10 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
+use crate::debug_page;
 use crate::metrics::Metrics;
 use crate::problems::Problems;
+use crate::registry::peer::PeerFetcher;
 use crate::registry::recent::RecentPulls;
 use crate::routing::Router as PeerRouter;
 use crate::status::{self, Condition, PeerView, Status};
@@ -67,6 +69,12 @@ pub struct Sources {
     pub recent: Arc<RecentPulls>,
     /// `None` when peer-to-peer is off.
     pub peers: Option<Arc<dyn PeerRouter>>,
+    /// Fetching from peers (passed-over peers, the test pull); `None` when peer-to-peer is off.
+    pub fetcher: Option<Arc<PeerFetcher>>,
+    /// What this node advertises (digests and tags); `None` when peer-to-peer is off.
+    pub exposed: Option<tokio::sync::watch::Receiver<crate::routing::sync::Exposed>>,
+    /// Serve `/debug` (`--debug-page`).
+    pub debug_page: bool,
     /// The Kubernetes node name, when known.
     pub node: Option<String>,
 }
@@ -80,21 +88,33 @@ impl std::fmt::Debug for Sources {
 }
 
 pub fn router(sources: Sources) -> Router {
-    Router::new()
+    let mut router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
-        .route("/status", get(status_json))
-        .with_state(sources)
+        .route("/status", get(status_json));
+    if sources.debug_page {
+        router = router
+            .route("/debug", get(debug_page::page))
+            .route("/debug/test-pull", get(debug_page::test_pull));
+    }
+    router.with_state(sources)
 }
 
 type OpsState = Sources;
 
 /// The state behind `ferry status`, now.
 pub fn status(s: &Sources) -> Status {
+    let now = std::time::SystemTime::now();
     let view = |p: &crate::routing::Peer| PeerView {
         id: p.id.clone(),
         addr: p.addr.to_string(),
+        connected_s: s
+            .peers
+            .as_ref()
+            .and_then(|r| r.connected_since(&p.id))
+            .and_then(|t| now.duration_since(t).ok())
+            .map(|d| d.as_secs()),
     };
     Status {
         version: env!("CARGO_PKG_VERSION").to_string(),
@@ -118,32 +138,67 @@ pub fn status(s: &Sources) -> Status {
                 detail,
             })
             .collect(),
-        this_node: s.peers.as_ref().map(|r| view(&r.local())),
+        this_node: s.peers.as_ref().map(|r| PeerView {
+            connected_s: None,
+            ..view(&r.local())
+        }),
+        passed_over: s
+            .fetcher
+            .as_ref()
+            .map(|f| f.passed_over())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(id, left, quarantined)| status::PassedOver {
+                id,
+                seconds_left: left.as_secs(),
+                quarantined,
+            })
+            .collect(),
         peers: s
             .peers
             .as_ref()
             .map(|r| r.members().iter().map(view).collect())
             .unwrap_or_default(),
         advertised_keys: s.metrics.keys_advertised.get(),
+        advertised_tags: s
+            .exposed
+            .as_ref()
+            .map(|e| {
+                e.borrow()
+                    .iter()
+                    .filter(|k| !k.starts_with("sha256:") && !k.starts_with("sha512:"))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default(),
         served: status::served(&s.metrics),
         corrupt_blobs: s.metrics.corrupt_blobs.get(),
         recent: s.recent.list(),
     }
 }
 
-/// `/status` names images and peers: it answers this host only (`ferry status` runs on the
-/// node, or in the pod through `kubectl exec`), never the network the metrics address is on.
-async fn status_json(State(s): State<OpsState>, request: axum::extract::Request) -> Response {
-    let local = request
+/// Whether `request` came from this host. `/status` and `/debug` name images and peers: they
+/// answer this host only (`ferry status` runs on the node, or in the pod through `kubectl
+/// exec`; `kubectl port-forward` connects from the node too), never the network the metrics
+/// address is on.
+pub fn from_this_host(request: &axum::extract::Request) -> bool {
+    request
         .extensions()
         .get::<crate::server::ConnAddrs>()
-        .is_some_and(crate::server::ConnAddrs::same_host);
-    if !local {
-        return (
-            StatusCode::FORBIDDEN,
-            "/status names this node's images and peers and answers only on the node itself: run `ferry status` there\n",
-        )
-            .into_response();
+        .is_some_and(crate::server::ConnAddrs::same_host)
+}
+
+pub fn refused(what: &str) -> Response {
+    (
+        StatusCode::FORBIDDEN,
+        format!("{what} names this node's images and peers and answers only on the node itself: run `ferry status` there, or `kubectl port-forward` to the pod\n"),
+    )
+        .into_response()
+}
+
+async fn status_json(State(s): State<OpsState>, request: axum::extract::Request) -> Response {
+    if !from_this_host(&request) {
+        return refused("/status");
     }
     axum::Json(status(&s)).into_response()
 }

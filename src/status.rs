@@ -19,7 +19,14 @@ pub struct Status {
     /// This node as its peers reach it; `None` when peer-to-peer is off.
     pub this_node: Option<PeerView>,
     pub peers: Vec<PeerView>,
+    /// Peers this node's fetches pass over now (they failed; quarantined: they served wrong
+    /// bytes).
+    #[serde(default)]
+    pub passed_over: Vec<PassedOver>,
     pub advertised_keys: i64,
+    /// The images (registry/repository:tag) among them; the rest are digests.
+    #[serde(default)]
+    pub advertised_tags: Vec<String>,
     /// What this node's containerd got through the mirror (`listener` "mirror") and what
     /// this node served other nodes (`listener` "peer"), by kind and source.
     pub served: Vec<Served>,
@@ -45,6 +52,18 @@ pub struct Problem {
 pub struct PeerView {
     pub id: String,
     pub addr: String,
+    /// Seconds since this node connected to it, where known.
+    #[serde(default)]
+    pub connected_s: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassedOver {
+    pub id: String,
+    /// Seconds until it is asked again.
+    pub seconds_left: u64,
+    /// It served bytes that did not match their digest (not only a failure to answer).
+    pub quarantined: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,12 +134,35 @@ impl Status {
                 out.push_str(&format!("this node: {} at {}\n", me.id, me.addr));
                 out.push_str(&format!("peers connected: {}\n", self.peers.len()));
                 for p in self.peers.iter().take(10) {
-                    out.push_str(&format!("  {} at {}\n", p.id, p.addr));
+                    let since = p
+                        .connected_s
+                        .map_or(String::new(), |s| format!(", connected {}", duration(s)));
+                    out.push_str(&format!("  {} at {}{since}\n", p.id, p.addr));
                 }
                 if self.peers.len() > 10 {
                     out.push_str(&format!("  ... and {} more\n", self.peers.len() - 10));
                 }
-                out.push_str(&format!("keys advertised: {}\n", self.advertised_keys));
+                out.push_str(&format!(
+                    "keys advertised: {} ({} digests, {} image tags)\n",
+                    self.advertised_keys,
+                    (self.advertised_keys as usize).saturating_sub(self.advertised_tags.len()),
+                    self.advertised_tags.len()
+                ));
+                if !self.passed_over.is_empty() {
+                    out.push_str("peers passed over (they failed recently):\n");
+                    for p in &self.passed_over {
+                        out.push_str(&format!(
+                            "  {}: {} for {}\n",
+                            p.id,
+                            if p.quarantined {
+                                "QUARANTINED (served bytes that did not match their digest)"
+                            } else {
+                                "asked last"
+                            },
+                            duration(p.seconds_left)
+                        ));
+                    }
+                }
             }
         }
         if self.corrupt_blobs > 0 {
@@ -194,7 +236,17 @@ fn source_name(source: &str) -> &str {
     }
 }
 
-fn human(bytes: u64) -> String {
+/// `3h 2m`, `5m 1s`, `42s`.
+pub fn duration(seconds: u64) -> String {
+    let (h, m, s) = (seconds / 3600, seconds / 60 % 60, seconds % 60);
+    match (h, m) {
+        (0, 0) => format!("{s}s"),
+        (0, _) => format!("{m}m {s}s"),
+        _ => format!("{h}h {m}m"),
+    }
+}
+
+pub fn human(bytes: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
     let mut value = bytes as f64;
     let mut unit = 0;
@@ -230,12 +282,20 @@ mod tests {
             this_node: Some(PeerView {
                 id: "12D3me".into(),
                 addr: "10.0.0.1:5481".into(),
+                connected_s: None,
             }),
             peers: vec![PeerView {
                 id: "12D3other".into(),
                 addr: "10.0.0.2:5481".into(),
+                connected_s: Some(3725),
+            }],
+            passed_over: vec![PassedOver {
+                id: "12D3bad".into(),
+                seconds_left: 290,
+                quarantined: true,
             }],
             advertised_keys: 7,
+            advertised_tags: vec!["docker.io/library/app:1".into()],
             served: vec![Served {
                 listener: "mirror".into(),
                 kind: "blob".into(),
@@ -258,8 +318,9 @@ mod tests {
             "containerd reachable: yes",
             "no_peers: no peer connected",
             "peers connected: 1",
-            "12D3other at 10.0.0.2:5481",
-            "keys advertised: 7",
+            "12D3other at 10.0.0.2:5481, connected 1h 2m",
+            "12D3bad: QUARANTINED (served bytes that did not match their digest) for 4m 50s",
+            "keys advertised: 7 (6 digests, 1 image tags)",
             "blob from other nodes: 3 answers, 3.0 MiB",
             "served to other nodes (since start):\n  nothing yet",
             "thanks to peers: 3.0 MiB",

@@ -40,6 +40,70 @@ fn asked_upstream_only_the_tag(registry: &Registry, before: usize, node: &Node) 
     );
 }
 
+/// The debug page on node 2 (`--debug-page true`), through a real HTTP client on the node
+/// (python's urllib in its network namespace): the page names node 1 and the pulls; a test
+/// pull of a layer comes from node 1, whole and matching its digest; an unknown digest says
+/// nobody has it; from another host the page is refused.
+fn debug_page_shows_the_node_and_test_pulls_through_peers(
+    node1: &Node,
+    node2: &Node,
+    image: &Image,
+) {
+    let node1_id =
+        serde_json::from_str::<serde_json::Value>(&node1.status(true)).unwrap()["this_node"]["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+    let from_outside = http_status(&format!("http://{}/debug", node2.metrics_addr()));
+    assert_eq!(from_outside, Some(403));
+    let (code, page) = node2.get_on_node("/debug");
+    assert_eq!(code, 200, "{page}");
+    for part in [
+        ": <span class=\"ok\">ready</span>",
+        node1_id.as_str(),
+        "Recent pulls",
+        image.layers[0].as_str(),
+        "Test pull",
+    ] {
+        assert!(page.contains(part), "{part:?} in:\n{page}");
+    }
+    let layer = &image.layers[0];
+    let (code, report) = node2.get_on_node(&format!("/debug/test-pull?digest={layer}&format=json"));
+    assert_eq!(code, 200, "{report}");
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!(report["ok"], true, "{report:#}");
+    let served = report["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["outcome"] == "verified")
+        .unwrap();
+    assert_eq!(served["peer"], node1_id.as_str(), "{report:#}");
+    assert_eq!(served["bytes"], image.blob(layer).len() as u64);
+    // The HTML form of the same, as the page's button asks for it.
+    let (code, page) = node2.get_on_node(&format!("/debug/test-pull?digest={layer}"));
+    assert_eq!(code, 200);
+    assert!(
+        page.contains("OK") && page.contains("matching the digest"),
+        "{page}"
+    );
+    let absent = format!("sha256:{}", "0".repeat(64));
+    let (code, report) =
+        node2.get_on_node(&format!("/debug/test-pull?digest={absent}&format=json"));
+    assert_eq!(code, 200);
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!(report["ok"], false);
+    assert!(
+        report["summary"]
+            .as_str()
+            .unwrap()
+            .contains("no node advertises"),
+        "{report:#}"
+    );
+    let (code, _) = node2.get_on_node("/debug/test-pull?digest=sha256:nothex");
+    assert_eq!(code, 400);
+}
+
 #[test]
 fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going_away() {
     // Declared first, dropped last: processes stop before their namespaces are deleted.
@@ -59,7 +123,7 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
         "n2",
         12,
         registry_addr,
-        &["--bootstrap-peers", &seed],
+        &["--bootstrap-peers", &seed, "--debug-page", "true"],
     );
     let node3 = Node::start(
         &mut net,
@@ -157,6 +221,7 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
             "node 2's containerd holds {digest}"
         );
     }
+    debug_page_shows_the_node_and_test_pulls_through_peers(&node1, &node2, &image);
 
     // Node 1's Ferry goes away: node 3 still pulls (from node 2, or upstream).
     node1.ferry.signal("KILL");

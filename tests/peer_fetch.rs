@@ -522,3 +522,71 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
         n.stop().await;
     }
 }
+
+/// A peer that serves a blob's full length with one byte changed (a liar, or a disk gone bad
+/// under a Ferry without the integrity check).
+async fn lying_peer(full: Bytes) -> SocketAddr {
+    let mut wrong = full.to_vec();
+    wrong[full.len() / 2] ^= 0xff;
+    dying_peer(Bytes::from(wrong), full.len()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_serving_wrong_bytes_is_quarantined_and_ferry_status_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let store_good = Arc::new(MemoryStore::new());
+    let (layer, bytes) = image(&store_good);
+    let good = run_node(&tmp.path().join("good"), store_good, |http| {
+        memory_peering(&network, "b-good", http)
+    })
+    .await;
+    let liar = lying_peer(bytes.clone()).await;
+    // Listed by ID: the liar is asked first.
+    for (id, addr) in [("a-liar", liar), ("b-good", good.peer)] {
+        network
+            .node(Peer {
+                id: id.into(),
+                addr,
+            })
+            .advertise(vec![layer.clone()])
+            .await
+            .unwrap();
+    }
+    let asker = run_node(
+        &tmp.path().join("asker"),
+        Arc::new(MemoryStore::new()),
+        |http| memory_peering(&network, "c-asker", http),
+    )
+    .await;
+    let (status, body, _) = get(
+        &format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(sha(&body), layer, "the good peer's bytes, never the liar's");
+    assert_eq!(
+        metric(asker.ops, "ferry_peer_failures_total{stage=\"verify\"}").await,
+        1
+    );
+    // The operator's view: `/status` (what `ferry status` prints) names the liar as
+    // quarantined.
+    let (code, status, _) = get(&format!("http://{}/status", asker.ops), None).await;
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_slice(&status).unwrap();
+    let passed_over = status["passed_over"].as_array().unwrap();
+    assert_eq!(passed_over.len(), 1, "{status:#}");
+    assert_eq!(passed_over[0]["id"], "a-liar");
+    assert_eq!(passed_over[0]["quarantined"], true);
+    assert!(passed_over[0]["seconds_left"].as_u64().unwrap() > 60);
+    let text: ferry::status::Status = serde_json::from_value(status).unwrap();
+    assert!(
+        text.text(0).contains("a-liar: QUARANTINED"),
+        "{}",
+        text.text(0)
+    );
+    for n in [good, asker] {
+        n.stop().await;
+    }
+}

@@ -47,6 +47,11 @@ pub trait Router: Send + Sync + 'static {
     /// The other nodes this one is connected to now, with their peer addresses.
     fn members(&self) -> Arc<Vec<Peer>>;
 
+    /// Since when `id` (a member) has been connected, where the router knows it.
+    fn connected_since(&self, _id: &str) -> Option<std::time::SystemTime> {
+        None
+    }
+
     /// Providers of `key`, this node excluded.
     async fn lookup(&self, key: &str) -> PeerStream;
 

@@ -148,6 +148,24 @@ impl Node {
     }
 
     /// The body of `path` on the ops address ("" when it does not answer).
+    /// `GET path` on the metrics address from a client on the node itself (python's urllib
+    /// in the node's network namespace): the status code and the body.
+    pub fn get_on_node(&self, path: &str) -> (u16, String) {
+        let url = format!("http://{}{path}", self.metrics_addr());
+        let script = "import sys, urllib.request, urllib.error\n\
+try:\n    r = urllib.request.urlopen(sys.argv[1], timeout=60); code, body = r.status, r.read()\n\
+except urllib.error.HTTPError as e:\n    code, body = e.code, e.read()\n\
+sys.stdout.write(str(code) + '\\n' + body.decode())\n";
+        let out = super::in_netns(Some(&self.ns), "python3")
+            .args(["-c", script, &url])
+            .output()
+            .expect("run python3");
+        assert!(out.status.success(), "GET {url} on the node: {out:?}");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let (code, body) = text.split_once('\n').unwrap_or((&text, ""));
+        (code.parse().expect("status code"), body.to_string())
+    }
+
     fn ops_get(&self, path: &str) -> String {
         let url = format!("http://{}{path}", self.metrics_addr());
         let rt = tokio::runtime::Builder::new_current_thread()

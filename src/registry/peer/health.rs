@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::failure::{FAILED_PEER_BACKOFF, PeerFailure};
 use crate::metrics::{Metrics, StageLabels};
@@ -44,6 +44,23 @@ impl PeerHealth {
         self.lock()
             .get(&peer.id)
             .is_some_and(|until| *until > Instant::now() + FAILED_PEER_BACKOFF)
+    }
+
+    /// The peers passed over now: peer ID, how long still, and whether quarantined (it served
+    /// bytes that did not match: not asked at all) rather than only tried last.
+    pub fn passed_over(&self) -> Vec<(String, Duration, bool)> {
+        let now = Instant::now();
+        let mut out: Vec<_> = self
+            .lock()
+            .iter()
+            .filter(|(_, t)| **t > now)
+            .map(|(id, t)| {
+                let left = *t - now;
+                (id.clone(), left, left > FAILED_PEER_BACKOFF)
+            })
+            .collect();
+        out.sort();
+        out
     }
 
     /// `peers` with the ones that failed recently last.

@@ -11,6 +11,7 @@ mod body;
 pub mod client;
 pub mod failure;
 mod health;
+pub mod test_pull;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -408,6 +409,11 @@ impl PeerFetcher {
             cache.insert(key.to_string(), (Instant::now(), found.clone()));
         }
         self.health.order(found)
+    }
+
+    /// The peers passed over now (see `PeerHealth::passed_over`), for `ferry status`.
+    pub fn passed_over(&self) -> Vec<(String, Duration, bool)> {
+        self.health.passed_over()
     }
 
     fn cached(&self, key: &str) -> Option<Vec<Peer>> {

@@ -239,6 +239,12 @@ impl EventLoop {
             SwarmEvent::ConnectionEstablished {
                 peer_id, endpoint, ..
             } => {
+                self.status
+                    .connected_since
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(peer_id.to_base58())
+                    .or_insert_with(std::time::SystemTime::now);
                 if endpoint.is_dialer() {
                     // A bootstrap dial: Kademlia learns the address it worked at.
                     let addr = endpoint.get_remote_address().clone();
@@ -255,6 +261,11 @@ impl EventLoop {
                 ..
             } => {
                 if num_established == 0 {
+                    self.status
+                        .connected_since
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&peer_id.to_base58());
                     self.awaiting_identify.remove(&peer_id);
                 }
                 self.update_connected();

@@ -10,7 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::core::transport::Boxed;
@@ -86,6 +86,8 @@ pub(crate) struct Status {
     pub connected: AtomicUsize,
     /// Connected peers whose peer address is known (identify): the live member set.
     pub members: std::sync::RwLock<Arc<Vec<Peer>>>,
+    /// When each connected peer's first open connection was established, by peer ID.
+    pub connected_since: std::sync::RwLock<std::collections::HashMap<String, SystemTime>>,
 }
 
 /// The handle. Cheap to clone; all clones talk to the same swarm task.
@@ -230,6 +232,15 @@ impl Router for P2pRouter {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    fn connected_since(&self, id: &str) -> Option<SystemTime> {
+        self.status
+            .connected_since
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .copied()
     }
 
     async fn lookup(&self, key: &str) -> PeerStream {
