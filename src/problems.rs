@@ -9,7 +9,15 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::containerd_config::preflight;
 use crate::metrics::{Metrics, ProblemLabels};
+
+/// The problems of the peer network (the containerd config's are `preflight::PROBLEMS`).
+pub const PEER_NETWORK: [&str; 3] = [
+    "no_peers",
+    "peer_handshake_failing",
+    "cluster_secret_changed",
+];
 
 #[derive(Debug)]
 pub struct Problems {
@@ -25,11 +33,17 @@ struct Problem {
 }
 
 impl Problems {
+    /// Every problem's series is created at 0, so an alert or a dashboard sees it from the
+    /// first scrape.
     pub fn new(metrics: Arc<Metrics>) -> Self {
-        Problems {
+        let problems = Problems {
             active: Mutex::new(BTreeMap::new()),
             metrics,
+        };
+        for problem in PEER_NETWORK.iter().chain(&preflight::PROBLEMS) {
+            problems.gauge(problem, 0);
         }
+        problems
     }
 
     /// `problem` holds until [`Problems::clear`]; `detail` says what is wrong and the fix.
