@@ -73,5 +73,50 @@ fn hosts_merge(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, sha256_verification, parsers, hosts_merge);
+/// Reading a blob file from the page cache as the mirror serves it (`files::open`): the read
+/// path's own cost, without HTTP. Ferry-vs-nginx in `bench.sh` is the end-to-end figure.
+fn blob_file_stream(c: &mut Criterion) {
+    use ferry::oci::Digest;
+    use futures::StreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 << 20;
+    let data = vec![7u8; size];
+    let digest = Digest::sha256_of(&data);
+    let path = ferry::store::containerd::files::blob_path(dir.path(), &digest);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, &data).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut group = c.benchmark_group("blob-file-stream");
+    group.throughput(Throughput::Bytes(size as u64));
+    group.sample_size(20);
+    group.bench_function("64MiB", |b| {
+        b.iter(|| {
+            rt.block_on(async {
+                let mut stream = ferry::store::containerd::files::open(
+                    dir.path(),
+                    &digest,
+                    size as u64,
+                    0,
+                    size as u64,
+                )
+                .await
+                .unwrap();
+                let mut n = 0;
+                while let Some(chunk) = stream.next().await {
+                    n += chunk.unwrap().len();
+                }
+                assert_eq!(n, size);
+            })
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    sha256_verification,
+    parsers,
+    hosts_merge,
+    blob_file_stream
+);
 criterion_main!(benches);

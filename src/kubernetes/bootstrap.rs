@@ -42,7 +42,12 @@ impl KubernetesBootstrap {
         let api: Api<Pod> = Api::namespaced(client, namespace);
         let (pods, writer) = reflector::store();
         let config = watcher::Config::default().labels(selector);
-        let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
+        // Only what `pod_ips` reads is kept (name, deletion, IP): the rest of a pod (its spec,
+        // managed fields, annotations) is several KiB, times every node of the cluster.
+        let stream = watcher(api, config)
+            .modify(slim)
+            .reflect(writer)
+            .default_backoff();
         let selector = selector.to_string();
         let task = tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
@@ -75,6 +80,19 @@ impl KubernetesBootstrap {
     }
 }
 
+/// A pod reduced to what bootstrap reads.
+fn slim(pod: &mut Pod) {
+    pod.spec = None;
+    pod.metadata.managed_fields = None;
+    pod.metadata.annotations = None;
+    pod.metadata.owner_references = None;
+    if let Some(status) = pod.status.as_mut() {
+        let ip = status.pod_ip.take();
+        *status = Default::default();
+        status.pod_ip = ip;
+    }
+}
+
 #[async_trait::async_trait]
 impl Bootstrap for KubernetesBootstrap {
     async fn peers(&self) -> Vec<Multiaddr> {
@@ -82,5 +100,26 @@ impl Bootstrap for KubernetesBootstrap {
             .into_iter()
             .map(|ip| tcp_multiaddr(ip, self.port))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slim_pod_keeps_its_ip_and_drops_the_rest() {
+        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "ferry-abc", "annotations": {"a": "b"}},
+            "spec": {"containers": [{"name": "ferry", "image": "ferry"}]},
+            "status": {"podIP": "10.0.0.7", "phase": "Running"}
+        }))
+        .unwrap();
+        slim(&mut pod);
+        assert_eq!(pod.metadata.name.as_deref(), Some("ferry-abc"));
+        assert!(pod.spec.is_none() && pod.metadata.annotations.is_none());
+        let status = pod.status.unwrap();
+        assert_eq!(status.pod_ip.as_deref(), Some("10.0.0.7"));
+        assert!(status.phase.is_none());
     }
 }

@@ -38,6 +38,12 @@ use health::PeerHealth;
 
 /// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
 const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
+/// A lookup that found nobody is remembered this long: the requests of one pull for a
+/// digest no node has (a HEAD, then the GET, then containerd's retries) cost one DHT walk, not
+/// one each. Short, because a digest another node has just committed is findable as soon as
+/// it is announced: for at most this long after, it still goes to the coalescing leader or
+/// upstream (a slower pull, never a failed one).
+pub const NOT_FOUND_TTL: Duration = Duration::from_secs(1);
 /// Providers arriving this soon after the first are kept as failover candidates.
 const MORE_PROVIDERS_GRACE: Duration = Duration::from_millis(2);
 
@@ -372,8 +378,8 @@ impl PeerFetcher {
         Ok((media_type, digest, bytes))
     }
 
-    /// Providers of `key`: cached if recent, else from the router, waiting at most
-    /// `resolve_timeout` for the first one. Concurrent requests for the same key (several
+    /// Providers of `key`: cached if recent (nobody: for [`NOT_FOUND_TTL`]), else from the
+    /// router, waiting at most `resolve_timeout` for the first one. Concurrent requests for the same key (several
     /// clients of this node's containerd, a Range re-request) share one lookup. Peers that
     /// failed recently go last.
     async fn providers(&self, key: &str) -> Vec<Peer> {
@@ -403,9 +409,9 @@ impl PeerFetcher {
                 lookups.remove(key);
             }
         }
-        if !found.is_empty() {
+        {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            cache.retain(|_, (at, _)| at.elapsed() < LOOKUP_CACHE_TTL);
+            cache.retain(|_, (at, peers)| at.elapsed() < cache_ttl(peers));
             cache.insert(key.to_string(), (Instant::now(), found.clone()));
         }
         self.health.order(found)
@@ -419,7 +425,16 @@ impl PeerFetcher {
     fn cached(&self, key: &str) -> Option<Vec<Peer>> {
         let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         let (at, peers) = cache.get(key)?;
-        (at.elapsed() < LOOKUP_CACHE_TTL).then(|| self.health.order(peers.clone()))
+        (at.elapsed() < cache_ttl(peers)).then(|| self.health.order(peers.clone()))
+    }
+}
+
+/// How long a lookup's answer is reused: found providers longer than "nobody".
+fn cache_ttl(peers: &[Peer]) -> Duration {
+    if peers.is_empty() {
+        NOT_FOUND_TTL
+    } else {
+        LOOKUP_CACHE_TTL
     }
 }
 
@@ -565,7 +580,11 @@ mod tests {
             2,
             "one lookup per digest, however many ask at once"
         );
-        // Finished lookups are not kept: a later miss asks again.
+        // A miss is remembered for NOT_FOUND_TTL: the GET after a HEAD, or a retry, asks
+        // nobody; after that, the DHT is asked again (the digest may have been announced).
+        fetcher.blob(req, digest.clone()).await;
+        assert_eq!(router.lookups.load(Ordering::SeqCst), 2);
+        tokio::time::sleep(NOT_FOUND_TTL).await;
         fetcher.blob(req, digest).await;
         assert_eq!(router.lookups.load(Ordering::SeqCst), 3);
     }
