@@ -220,18 +220,19 @@ async fn many_keys_are_announced_a_few_at_a_time_and_all_found() {
         nodes[0].metrics.announcements_pending.get() > 0,
         "announcements are queued, not all started at once"
     );
-    eventually("every announcement finished", || async {
-        nodes[0].metrics.announcements_pending.get() == 0
-    })
-    .await;
-    // The first, the last and some in between: found from another node.
+    // The first, the last and some in between: found from another node. (With this test's
+    // 1 s re-announcement interval the queue never drains: 600 keys come due every second,
+    // through the same 32 slots. Each key is queued at most once, so it stays bounded.)
     for key in keys.iter().step_by(97).chain(keys.last()) {
-        let found = providers(&nodes[2].router, key).await;
-        assert!(
-            found.iter().any(|p| p.addr == nodes[0].http),
-            "{key} not found"
-        );
+        eventually("the key found from another node", || async {
+            providers(&nodes[2].router, key)
+                .await
+                .iter()
+                .any(|p| p.addr == nodes[0].http)
+        })
+        .await;
     }
+    assert!(nodes[0].metrics.announcements_pending.get() <= keys.len() as i64);
     for n in nodes {
         stop(n).await;
     }

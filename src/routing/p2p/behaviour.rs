@@ -46,7 +46,10 @@ impl Behaviour {
         config
             .set_query_timeout(QUERY_TIMEOUT)
             .set_provider_record_ttl(Some(timing.ttl))
-            .set_provider_publication_interval(Some(timing.interval))
+            // Ferry re-announces its keys itself, through its announcement queue and spread
+            // over the interval (`event_loop.rs`): libp2p's own republication starts every
+            // key's announcement at once, outside any bound (10,000 queries in one burst).
+            .set_provider_publication_interval(None)
             // Ferry stores no values in the DHT, only provider records.
             .set_record_ttl(None)
             .set_publication_interval(None);

@@ -2,7 +2,9 @@
 //! pending lookup ends on every outcome (found, none, timeout, error, shutdown), because its
 //! reply channel is dropped when the query is over.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::hash_map::RandomState;
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::hash::BuildHasher;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -43,6 +45,19 @@ const KAD_BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(300);
 /// otherwise start 10,000 queries at once: measured, that took its memory from 15 to 140 MiB
 /// (and glibc keeps it), for no faster an end.
 const MAX_ANNOUNCEMENTS_IN_FLIGHT: usize = 32;
+/// How often keys due for re-announcement are queued (at most; a tenth of a short interval).
+const REPROVIDE_TICK: Duration = Duration::from_secs(1);
+
+/// When to re-announce a key announced at `now`: after between three quarters of `interval`
+/// and all of it, the fraction drawn per key and per announcement. The keys a node announced
+/// together at start (all of them) spread over a quarter of the interval at the first round and
+/// drift further apart each round, so re-announcement is a trickle through the queue, never a
+/// burst at the interval's boundary; and never later than `interval`, which is shorter than
+/// the records' TTL, so no record lapses.
+fn next_announcement(key: &str, now: Instant, interval: Duration, seed: &RandomState) -> Instant {
+    let draw = seed.hash_one((key, now)) as f64 / u64::MAX as f64;
+    now + interval.mul_f64(0.75 + 0.25 * draw)
+}
 
 pub(crate) struct EventLoop {
     swarm: Swarm<Behaviour>,
@@ -63,6 +78,12 @@ pub(crate) struct EventLoop {
     /// Keys to announce, started as announcements in flight finish.
     to_announce: VecDeque<String>,
     announcing: HashSet<QueryId>,
+    /// Keys announced, by when to announce them again (`next_announcement`); a key is here, or
+    /// queued in `to_announce`, until withdrawn.
+    reannounce: BTreeSet<(Instant, String)>,
+    reannounce_at: HashMap<String, Instant>,
+    reprovide_interval: Duration,
+    jitter: RandomState,
     kad_bootstrapped: bool,
 }
 
@@ -73,8 +94,8 @@ impl EventLoop {
         self_commands: mpsc::Sender<Command>,
         status: Arc<Status>,
         bootstrap: Arc<dyn Bootstrap>,
-        metrics: Arc<Metrics>,
-        problems: Arc<Problems>,
+        (metrics, problems): (Arc<Metrics>, Arc<Problems>),
+        reprovide_interval: Duration,
     ) -> Self {
         EventLoop {
             swarm,
@@ -89,6 +110,10 @@ impl EventLoop {
             awaiting_identify: HashMap::new(),
             to_announce: VecDeque::new(),
             announcing: HashSet::new(),
+            reannounce: BTreeSet::new(),
+            reannounce_at: HashMap::new(),
+            reprovide_interval,
+            jitter: RandomState::new(),
             kad_bootstrapped: false,
         }
     }
@@ -99,6 +124,12 @@ impl EventLoop {
         let mut backoff = REBOOTSTRAP_MIN;
         let mut refresh = tokio::time::interval(KAD_BOOTSTRAP_INTERVAL);
         let mut expire = tokio::time::interval(EXPIRE_INTERVAL);
+        let mut reprovide = tokio::time::interval(
+            REPROVIDE_TICK
+                .min(self.reprovide_interval / 10)
+                .max(Duration::from_millis(10)),
+        );
+        reprovide.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = token.cancelled() => break,
@@ -119,6 +150,7 @@ impl EventLoop {
                     };
                     rebootstrap.as_mut().reset(tokio::time::Instant::now() + next);
                 }
+                _ = reprovide.tick() => self.queue_due_announcements(Instant::now()),
                 _ = expire.tick() => {
                     let gone = self.swarm.behaviour_mut().kad.store_mut().expire(Instant::now());
                     if gone > 0 {
@@ -180,6 +212,11 @@ impl EventLoop {
             Command::Withdraw { keys } => {
                 let gone: HashSet<&String> = keys.iter().collect();
                 self.to_announce.retain(|k| !gone.contains(k));
+                for key in &keys {
+                    if let Some(at) = self.reannounce_at.remove(key) {
+                        self.reannounce.remove(&(at, key.clone()));
+                    }
+                }
                 let kad = &mut self.swarm.behaviour_mut().kad;
                 for key in keys {
                     kad.stop_providing(&key.into_bytes().into());
@@ -208,19 +245,49 @@ impl EventLoop {
                 .swarm
                 .behaviour_mut()
                 .kad
-                .start_providing(key.into_bytes().into())
+                .start_providing(key.clone().into_bytes().into())
             {
                 Ok(id) => {
                     self.announcing.insert(id);
+                    self.schedule(key);
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot announce a key");
+                    tracing::warn!(error = %e, "cannot announce a key; trying again at the next round");
                     error.get_or_insert(e.to_string());
+                    self.schedule(key);
                 }
             }
         }
         self.update_announce_queue();
         error.map_or(Ok(()), Err)
+    }
+
+    /// `key` was announced now: when to announce it again.
+    fn schedule(&mut self, key: String) {
+        let now = Instant::now();
+        let at = next_announcement(&key, now, self.reprovide_interval, &self.jitter);
+        if let Some(before) = self.reannounce_at.insert(key.clone(), at) {
+            self.reannounce.remove(&(before, key.clone()));
+        }
+        self.reannounce.insert((at, key));
+    }
+
+    /// Moves the keys due for re-announcement into the announcement queue.
+    fn queue_due_announcements(&mut self, now: Instant) {
+        let mut due = false;
+        while let Some((at, _)) = self.reannounce.first()
+            && *at <= now
+        {
+            let Some((_, key)) = self.reannounce.pop_first() else {
+                break;
+            };
+            self.reannounce_at.remove(&key);
+            self.to_announce.push_back(key);
+            due = true;
+        }
+        if due {
+            let _ = self.announce_next();
+        }
     }
 
     fn update_announce_queue(&self) {
@@ -426,5 +493,32 @@ impl EventLoop {
             .members
             .write()
             .unwrap_or_else(|e| e.into_inner()) = Arc::new(members);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_announced_together_are_announced_again_spread_over_a_quarter_of_the_interval() {
+        let seed = RandomState::new();
+        let now = Instant::now();
+        let interval = Duration::from_secs(600);
+        let times: Vec<Duration> = (0..10_000)
+            .map(|i| next_announcement(&format!("sha256:{i:064x}"), now, interval, &seed) - now)
+            .collect();
+        assert!(
+            times
+                .iter()
+                .all(|t| *t >= interval.mul_f64(0.75) && *t <= interval)
+        );
+        // Spread, not bunched: every tenth of the window [0.75, 1.0] gets some.
+        let mut buckets = [0u32; 10];
+        for t in &times {
+            let x = (t.as_secs_f64() / interval.as_secs_f64() - 0.75) / 0.25;
+            buckets[((x * 10.0) as usize).min(9)] += 1;
+        }
+        assert!(buckets.iter().all(|&n| n > 800 && n < 1200), "{buckets:?}");
     }
 }

@@ -162,8 +162,8 @@ impl P2pRouter {
             tx.clone(),
             status.clone(),
             bootstrap,
-            metrics,
-            problems,
+            (metrics, problems),
+            timing.interval,
         );
         let task = tokio::spawn(event_loop.run(token));
         Ok((
