@@ -166,7 +166,8 @@ pub fn status(s: &Sources) -> Status {
             .map(|e| {
                 e.borrow()
                     .iter()
-                    .filter(|k| !k.starts_with("sha256:") && !k.starts_with("sha512:"))
+                    // A key is a digest (`routing::digest_key`) or a tag (`tag_key`).
+                    .filter(|k| k.parse::<crate::oci::Digest>().is_err())
                     .cloned()
                     .collect()
             })

@@ -205,6 +205,15 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     assert_eq!(from_outside, Some(403));
     let status: serde_json::Value = serde_json::from_str(&node2.status(true)).unwrap();
     assert!(!status["peers"].as_array().unwrap().is_empty(), "{status}");
+    // What it advertises names the image it pulled (a tag key; digests are counted, not listed).
+    wait_for("node 2 advertises the image", || {
+        let status: serde_json::Value = serde_json::from_str(&node2.status(true)).unwrap();
+        status["advertised_tags"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t == reference.as_str())
+    });
     let recent = status["recent"].as_array().unwrap();
     for layer in &image.layers {
         assert!(
