@@ -118,6 +118,21 @@ pub struct DirectionLabels {
     pub direction: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DhtLabels {
+    /// find_node, get_providers, add_provider, provide_batch, other
+    pub kind: &'static str,
+}
+
+/// Every kind of DHT request `ferry_dht_requests_received_total` counts.
+pub const DHT_REQUEST_KINDS: [&str; 5] = [
+    "find_node",
+    "get_providers",
+    "add_provider",
+    "provide_batch",
+    "other",
+];
+
 /// Latency buckets in seconds: a local hit answers in well under a millisecond, a large blob
 /// streams for seconds.
 const DURATION_BUCKETS: [f64; 12] = [
@@ -154,6 +169,7 @@ pub struct Metrics {
     pub corrupt_blobs: Counter,
     pub config_problems: Family<ProblemLabels, Gauge>,
     pub peer_handshake_failures: Family<DirectionLabels, Counter>,
+    pub dht_requests: Family<DhtLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -250,7 +266,7 @@ impl Metrics {
         );
         registry.register(
             "announcements_pending",
-            "Keys whose DHT announcement is queued or in flight (at most 32 run at once)",
+            "Keys waiting to be announced in the DHT: queued for a walk, or planned for a node and not yet acknowledged",
             announcements_pending.clone(),
         );
         registry.register(
@@ -310,6 +326,15 @@ impl Metrics {
             "Peer connections that reached the other side but failed the handshake (usually a different cluster secret), by direction",
             peer_handshake_failures.clone(),
         );
+        let dht_requests = Family::<DhtLabels, Counter>::default();
+        registry.register(
+            "dht_requests_received",
+            "DHT requests other nodes sent this node (each answered once), by kind: the per-node cost of the peer-to-peer network",
+            dht_requests.clone(),
+        );
+        for kind in DHT_REQUEST_KINDS {
+            let _ = dht_requests.get_or_create(&DhtLabels { kind });
+        }
         registry.register(
             "follow_wait_seconds",
             "Time a follower waited for its leader's first byte",
@@ -355,6 +380,7 @@ impl Metrics {
             corrupt_blobs,
             config_problems,
             peer_handshake_failures,
+            dht_requests,
         }
     }
 

@@ -9,7 +9,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::metrics::Metrics;
+use ferry::metrics::{DhtLabels, Metrics};
 use ferry::problems::Problems;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
@@ -210,19 +210,17 @@ async fn providers_are_found_withdrawn_and_reprovided() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_keys_are_announced_a_few_at_a_time_and_all_found() {
+async fn many_keys_are_announced_in_one_batch_per_node_and_all_found() {
     let tmp = tempfile::tempdir().unwrap();
     let nodes = cluster(tmp.path(), 3).await;
-    // Far more than the announcements allowed in flight at once (32).
+    let started = Instant::now();
     let keys: Vec<String> = (0..600).map(|i| format!("sha256:{i:064x}")).collect();
     nodes[0].router.advertise(keys.clone()).await.unwrap();
     assert!(
         nodes[0].metrics.announcements_pending.get() > 0,
         "announcements are queued, not all started at once"
     );
-    // The first, the last and some in between: found from another node. (With this test's
-    // 1 s re-announcement interval the queue never drains: 600 keys come due every second,
-    // through the same 32 slots. Each key is queued at most once, so it stays bounded.)
+    // The first, the last and some in between: found from another node.
     for key in keys.iter().step_by(97).chain(keys.last()) {
         eventually("the key found from another node", || async {
             providers(&nodes[2].router, key)
@@ -233,6 +231,23 @@ async fn many_keys_are_announced_a_few_at_a_time_and_all_found() {
         .await;
     }
     assert!(nodes[0].metrics.announcements_pending.get() <= keys.len() as i64);
+    // One request per node per round carried all 600 (rounds every 0.75-1 s here), instead
+    // of 600 Kademlia ADD_PROVIDER messages per node.
+    let received = |kind| {
+        nodes[2]
+            .metrics
+            .dht_requests
+            .get_or_create(&DhtLabels { kind })
+            .get()
+    };
+    let rounds = started.elapsed().as_secs_f64() / 0.75 + 2.0;
+    assert_eq!(received("add_provider"), 0);
+    assert!(received("provide_batch") >= 1);
+    assert!(
+        (received("provide_batch") as f64) <= rounds,
+        "{} batches in {rounds:.0} rounds",
+        received("provide_batch")
+    );
     for n in nodes {
         stop(n).await;
     }

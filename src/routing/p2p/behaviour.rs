@@ -7,14 +7,19 @@ use std::time::Duration;
 
 use libp2p::identity::Keypair;
 use libp2p::swarm::NetworkBehaviour;
-use libp2p::{StreamProtocol, identify, kad};
+use libp2p::{StreamProtocol, identify, kad, request_response};
 
+use super::announce::{ProvideAck, ProvideBatch};
 use super::store::ProviderStore;
 
 /// Kademlia protocol name: private, so Ferry's DHT never mixes with IPFS or other networks.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
 /// Identify protocol version; peers speaking another are not added to the DHT.
 pub const IDENTIFY_PROTOCOL: &str = "/ferry/id/1.0.0";
+/// Batched provider records (`announce.rs`), next to Kademlia.
+pub const PROVIDE_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/provide/1.0.0");
+/// A batch is at most 1,000 keys of at most 512 bytes (JSON-escaped, so twice that at worst).
+const PROVIDE_REQUEST_MAX: u64 = 1_200_000;
 /// Prefix of the identify agent version, followed by the node's HTTP peer address.
 const AGENT_PREFIX: &str = "ferry/";
 const PEER_ADDR_MARK: &str = " peer-addr=";
@@ -30,6 +35,7 @@ const MAX_PROVIDED_KEYS: usize = 1_000_000;
 pub struct Behaviour {
     pub kad: kad::Behaviour<ProviderStore>,
     pub identify: identify::Behaviour,
+    pub provide: request_response::json::Behaviour<ProvideBatch, ProvideAck>,
 }
 
 /// Timing of provider records (see `--provide-ttl`, `--reprovide-interval`).
@@ -68,7 +74,18 @@ impl Behaviour {
                 // expansion of 0.0.0.0 into every local address, loopback included.
                 .with_hide_listen_addrs(true),
         );
-        Behaviour { kad, identify }
+        let provide = request_response::json::Behaviour::with_codec(
+            request_response::json::codec::Codec::default()
+                .set_request_size_maximum(PROVIDE_REQUEST_MAX)
+                .set_response_size_maximum(1024),
+            [(PROVIDE_PROTOCOL, request_response::ProtocolSupport::Full)],
+            request_response::Config::default().with_request_timeout(QUERY_TIMEOUT),
+        );
+        Behaviour {
+            kad,
+            identify,
+            provide,
+        }
     }
 }
 

@@ -2,9 +2,7 @@
 //! pending lookup ends on every outcome (found, none, timeout, error, shutdown), because its
 //! reply channel is dropped when the query is over.
 
-use std::collections::hash_map::RandomState;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::hash::BuildHasher;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -17,9 +15,10 @@ use libp2p::{PeerId, Swarm, identify};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, peer_addr_of};
+use super::announcer::Announcer;
+use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, ProvideTiming, peer_addr_of};
 use super::{Command, Status};
-use crate::metrics::{DirectionLabels, Metrics};
+use crate::metrics::{DhtLabels, DirectionLabels, Metrics};
 use crate::problems::Problems;
 use crate::routing::Peer;
 use crate::routing::bootstrap::Bootstrap;
@@ -41,23 +40,9 @@ const EXPIRE_INTERVAL: Duration = Duration::from_secs(60);
 const HANDSHAKE_PROBLEM_FOR: Duration = Duration::from_secs(600);
 /// With peers connected, the DHT routing table is refreshed this often.
 const KAD_BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(300);
-/// Announcements (Kademlia queries) in flight at once. A node with 10,000 keys would
-/// otherwise start 10,000 queries at once: measured, that took its memory from 15 to 140 MiB
-/// (and glibc keeps it), for no faster an end.
-const MAX_ANNOUNCEMENTS_IN_FLIGHT: usize = 32;
-/// How often keys due for re-announcement are queued (at most; a tenth of a short interval).
-const REPROVIDE_TICK: Duration = Duration::from_secs(1);
-
-/// When to re-announce a key announced at `now`: after between three quarters of `interval`
-/// and all of it, the fraction drawn per key and per announcement. The keys a node announced
-/// together at start (all of them) spread over a quarter of the interval at the first round and
-/// drift further apart each round, so re-announcement is a trickle through the queue, never a
-/// burst at the interval's boundary; and never later than `interval`, which is shorter than
-/// the records' TTL, so no record lapses.
-fn next_announcement(key: &str, now: Instant, interval: Duration, seed: &RandomState) -> Instant {
-    let draw = seed.hash_one((key, now)) as f64 / u64::MAX as f64;
-    now + interval.mul_f64(0.75 + 0.25 * draw)
-}
+/// How often the announcer looks whether a round is due and starts what waits (walks for
+/// keys advertised while no peer was connected); at most a tenth of a short interval.
+const ANNOUNCE_TICK: Duration = Duration::from_secs(1);
 
 pub(crate) struct EventLoop {
     swarm: Swarm<Behaviour>,
@@ -75,15 +60,7 @@ pub(crate) struct EventLoop {
     /// Providers found before we knew their HTTP address: delivered once identify arrives,
     /// dropped (ending those lookups' streams) when the dial fails or the peer goes away.
     awaiting_identify: HashMap<PeerId, Vec<mpsc::Sender<Peer>>>,
-    /// Keys to announce, started as announcements in flight finish.
-    to_announce: VecDeque<String>,
-    announcing: HashSet<QueryId>,
-    /// Keys announced, by when to announce them again (`next_announcement`); a key is here, or
-    /// queued in `to_announce`, until withdrawn.
-    reannounce: BTreeSet<(Instant, String)>,
-    reannounce_at: HashMap<String, Instant>,
-    reprovide_interval: Duration,
-    jitter: RandomState,
+    announcer: Announcer,
     kad_bootstrapped: bool,
 }
 
@@ -95,7 +72,7 @@ impl EventLoop {
         status: Arc<Status>,
         bootstrap: Arc<dyn Bootstrap>,
         (metrics, problems): (Arc<Metrics>, Arc<Problems>),
-        reprovide_interval: Duration,
+        timing: ProvideTiming,
     ) -> Self {
         EventLoop {
             swarm,
@@ -103,17 +80,12 @@ impl EventLoop {
             self_commands,
             status,
             bootstrap,
+            announcer: Announcer::new(timing, metrics.clone()),
             metrics,
             problems,
             http_addrs: HashMap::new(),
             lookups: HashMap::new(),
             awaiting_identify: HashMap::new(),
-            to_announce: VecDeque::new(),
-            announcing: HashSet::new(),
-            reannounce: BTreeSet::new(),
-            reannounce_at: HashMap::new(),
-            reprovide_interval,
-            jitter: RandomState::new(),
             kad_bootstrapped: false,
         }
     }
@@ -124,12 +96,12 @@ impl EventLoop {
         let mut backoff = REBOOTSTRAP_MIN;
         let mut refresh = tokio::time::interval(KAD_BOOTSTRAP_INTERVAL);
         let mut expire = tokio::time::interval(EXPIRE_INTERVAL);
-        let mut reprovide = tokio::time::interval(
-            REPROVIDE_TICK
-                .min(self.reprovide_interval / 10)
+        let mut announce = tokio::time::interval(
+            ANNOUNCE_TICK
+                .min(self.announcer.interval() / 10)
                 .max(Duration::from_millis(10)),
         );
-        reprovide.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        announce.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = token.cancelled() => break,
@@ -150,7 +122,7 @@ impl EventLoop {
                     };
                     rebootstrap.as_mut().reset(tokio::time::Instant::now() + next);
                 }
-                _ = reprovide.tick() => self.queue_due_announcements(Instant::now()),
+                _ = announce.tick() => self.announcer.tick(&mut self.swarm, Instant::now()),
                 _ = expire.tick() => {
                     let gone = self.swarm.behaviour_mut().kad.store_mut().expire(Instant::now());
                     if gone > 0 {
@@ -206,23 +178,9 @@ impl EventLoop {
                 self.lookups.insert(id, (reply, HashSet::new()));
             }
             Command::Advertise { keys, reply } => {
-                self.to_announce.extend(keys);
-                let _ = reply.send(self.announce_next());
+                let _ = reply.send(self.announcer.advertise(&mut self.swarm, keys));
             }
-            Command::Withdraw { keys } => {
-                let gone: HashSet<&String> = keys.iter().collect();
-                self.to_announce.retain(|k| !gone.contains(k));
-                for key in &keys {
-                    if let Some(at) = self.reannounce_at.remove(key) {
-                        self.reannounce.remove(&(at, key.clone()));
-                    }
-                }
-                let kad = &mut self.swarm.behaviour_mut().kad;
-                for key in keys {
-                    kad.stop_providing(&key.into_bytes().into());
-                }
-                self.update_announce_queue();
-            }
+            Command::Withdraw { keys } => self.announcer.withdraw(&mut self.swarm, keys),
             Command::Dial { addrs } => {
                 for addr in addrs {
                     if let Err(e) = self.swarm.dial(addr.clone()) {
@@ -233,68 +191,6 @@ impl EventLoop {
         }
     }
 
-    /// Starts queued announcements up to the in-flight limit. `start_providing` also puts the
-    /// record in our own store, so this node answers for a key from the moment it starts.
-    fn announce_next(&mut self) -> Result<(), String> {
-        let mut error = None;
-        while self.announcing.len() < MAX_ANNOUNCEMENTS_IN_FLIGHT {
-            let Some(key) = self.to_announce.pop_front() else {
-                break;
-            };
-            match self
-                .swarm
-                .behaviour_mut()
-                .kad
-                .start_providing(key.clone().into_bytes().into())
-            {
-                Ok(id) => {
-                    self.announcing.insert(id);
-                    self.schedule(key);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot announce a key; trying again at the next round");
-                    error.get_or_insert(e.to_string());
-                    self.schedule(key);
-                }
-            }
-        }
-        self.update_announce_queue();
-        error.map_or(Ok(()), Err)
-    }
-
-    /// `key` was announced now: when to announce it again.
-    fn schedule(&mut self, key: String) {
-        let now = Instant::now();
-        let at = next_announcement(&key, now, self.reprovide_interval, &self.jitter);
-        if let Some(before) = self.reannounce_at.insert(key.clone(), at) {
-            self.reannounce.remove(&(before, key.clone()));
-        }
-        self.reannounce.insert((at, key));
-    }
-
-    /// Moves the keys due for re-announcement into the announcement queue.
-    fn queue_due_announcements(&mut self, now: Instant) {
-        let mut due = false;
-        while let Some((at, _)) = self.reannounce.first()
-            && *at <= now
-        {
-            let Some((_, key)) = self.reannounce.pop_first() else {
-                break;
-            };
-            self.reannounce_at.remove(&key);
-            self.to_announce.push_back(key);
-            due = true;
-        }
-        if due {
-            let _ = self.announce_next();
-        }
-    }
-
-    fn update_announce_queue(&self) {
-        let n = self.to_announce.len() + self.announcing.len();
-        self.metrics.announcements_pending.set(n as i64);
-    }
-
     fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         match event {
             SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad_event(event),
@@ -303,6 +199,9 @@ impl EventLoop {
                 info,
                 ..
             })) => self.on_identified(peer_id, info),
+            SwarmEvent::Behaviour(BehaviourEvent::Provide(event)) => {
+                self.announcer.on_provide_event(&mut self.swarm, event)
+            }
             SwarmEvent::ConnectionEstablished {
                 peer_id, endpoint, ..
             } => {
@@ -321,6 +220,8 @@ impl EventLoop {
                 if !self.kad_bootstrapped {
                     self.kad_bootstrapped = self.swarm.behaviour_mut().kad.bootstrap().is_ok();
                 }
+                // Keys advertised before the first peer came wait for it.
+                self.announcer.progress(&mut self.swarm);
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
@@ -393,16 +294,27 @@ impl EventLoop {
             }
             kad::Event::OutboundQueryProgressed {
                 id,
-                result: QueryResult::StartProviding(result),
-                step,
+                result: QueryResult::GetClosestPeers(result),
                 ..
             } => {
-                if let Err(e) = result {
-                    tracing::debug!(error = %e, "announcement did not reach every closest peer");
-                }
-                if step.last && self.announcing.remove(&id) {
-                    let _ = self.announce_next();
-                }
+                let found = match result {
+                    Ok(ok) => ok.peers,
+                    // Timed out: the nodes it did find still hold the records.
+                    Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
+                };
+                self.announcer.on_walk(&mut self.swarm, id, found);
+            }
+            kad::Event::InboundRequest { request } => {
+                let kind = match request {
+                    kad::InboundRequest::FindNode { .. } => "find_node",
+                    kad::InboundRequest::GetProvider { .. } => "get_providers",
+                    kad::InboundRequest::AddProvider { .. } => "add_provider",
+                    _ => "other",
+                };
+                self.metrics
+                    .dht_requests
+                    .get_or_create(&DhtLabels { kind })
+                    .inc();
             }
             kad::Event::OutboundQueryProgressed {
                 result: QueryResult::Bootstrap(Err(e)),
@@ -493,32 +405,5 @@ impl EventLoop {
             .members
             .write()
             .unwrap_or_else(|e| e.into_inner()) = Arc::new(members);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_announced_together_are_announced_again_spread_over_a_quarter_of_the_interval() {
-        let seed = RandomState::new();
-        let now = Instant::now();
-        let interval = Duration::from_secs(600);
-        let times: Vec<Duration> = (0..10_000)
-            .map(|i| next_announcement(&format!("sha256:{i:064x}"), now, interval, &seed) - now)
-            .collect();
-        assert!(
-            times
-                .iter()
-                .all(|t| *t >= interval.mul_f64(0.75) && *t <= interval)
-        );
-        // Spread, not bunched: every tenth of the window [0.75, 1.0] gets some.
-        let mut buckets = [0u32; 10];
-        for t in &times {
-            let x = (t.as_secs_f64() / interval.as_secs_f64() - 0.75) / 0.25;
-            buckets[((x * 10.0) as usize).min(9)] += 1;
-        }
-        assert!(buckets.iter().all(|&n| n > 800 && n < 1200), "{buckets:?}");
     }
 }

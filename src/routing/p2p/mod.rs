@@ -1,6 +1,8 @@
 //! The libp2p [`Router`]: one task owns the `Swarm` (see `event_loop.rs`); [`P2pRouter`] is
 //! the cloneable handle the rest of Ferry holds, sending commands over a channel.
 
+mod announce;
+mod announcer;
 mod behaviour;
 mod event_loop;
 pub mod identity;
@@ -163,7 +165,7 @@ impl P2pRouter {
             status.clone(),
             bootstrap,
             (metrics, problems),
-            timing.interval,
+            timing,
         );
         let task = tokio::spawn(event_loop.run(token));
         Ok((

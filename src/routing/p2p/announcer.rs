@@ -1,0 +1,310 @@
+//! The announcement state machine the event loop drives: which keys this node provides, which
+//! wait for a walk, which are planned for which node, and the rounds that announce them all
+//! again. Planning is `announce.rs`; this part owns the queries and requests in flight.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::time::Instant;
+
+use libp2p::kad::store::RecordStore;
+use libp2p::kad::{K_VALUE, PeerInfo, ProviderRecord, QueryId, RecordKey};
+use libp2p::request_response::{self, OutboundRequestId};
+use libp2p::{Multiaddr, PeerId, Swarm};
+
+use super::announce::{
+    Hash, MAX_ADDRESSES, MAX_KEY_LEN, MAX_KEYS_PER_BATCH, Pending, ProvideAck, ProvideBatch,
+};
+use super::behaviour::{Behaviour, ProvideTiming};
+use crate::metrics::{DhtLabels, Metrics};
+
+/// Walks in flight at once: enough to cover a round's regions quickly, few enough that a
+/// node's start-up round never floods its neighbours.
+const MAX_WALKS_IN_FLIGHT: usize = 4;
+/// Batch requests in flight at once.
+const MAX_BATCHES_IN_FLIGHT: usize = 32;
+/// Each key is stored on this many nodes (Kademlia's replication factor).
+const REPLICAS: usize = K_VALUE.get();
+
+type ProvideEvent = request_response::Event<ProvideBatch, ProvideAck>;
+
+/// Keys planned for one node, with the addresses the walk found it at.
+#[derive(Debug, Default)]
+struct Outgoing {
+    keys: Vec<String>,
+    addrs: Vec<Multiaddr>,
+}
+
+pub(crate) struct Announcer {
+    timing: ProvideTiming,
+    metrics: Arc<Metrics>,
+    /// Every key this node announces (its own records are also in the Kademlia store).
+    provided: HashSet<String>,
+    pending: Pending,
+    /// Walks in flight, by the position they walk to.
+    walks: HashMap<QueryId, Hash>,
+    outbox: HashMap<PeerId, Outgoing>,
+    /// Batch requests in flight, with how many keys each carries.
+    batches: HashMap<OutboundRequestId, usize>,
+    /// When every provided key is announced again: after 75-100% of the interval (drawn per
+    /// round), so nodes started together drift apart and never announce in step, and always
+    /// before the records' TTL runs out.
+    next_round: Instant,
+    random: RandomState,
+    draws: u64,
+}
+
+impl Announcer {
+    pub fn new(timing: ProvideTiming, metrics: Arc<Metrics>) -> Self {
+        let random = RandomState::new();
+        let next_round = Instant::now() + round_wait(&timing, &random, 0);
+        Announcer {
+            timing,
+            metrics,
+            provided: HashSet::new(),
+            pending: Pending::default(),
+            walks: HashMap::new(),
+            outbox: HashMap::new(),
+            batches: HashMap::new(),
+            next_round,
+            random,
+            draws: 1,
+        }
+    }
+
+    pub fn interval(&self) -> std::time::Duration {
+        self.timing.interval
+    }
+
+    /// This node provides `keys` from now: its own store answers for them at once, and other
+    /// nodes learn them with the next walks.
+    pub fn advertise(
+        &mut self,
+        swarm: &mut Swarm<Behaviour>,
+        keys: Vec<String>,
+    ) -> Result<(), String> {
+        let local = *swarm.local_peer_id();
+        let mut error = None;
+        for key in keys {
+            let record = ProviderRecord::new(RecordKey::new(&key), local, Vec::new());
+            if let Err(e) = swarm.behaviour_mut().kad.store_mut().add_provider(record) {
+                tracing::warn!(error = %e, "cannot announce a key; trying again at the next round");
+                error.get_or_insert(e.to_string());
+            }
+            self.pending.insert(key.clone());
+            self.provided.insert(key);
+        }
+        self.progress(swarm);
+        error.map_or(Ok(()), Err)
+    }
+
+    /// Stops announcing `keys`. Records already on other nodes lapse with their TTL.
+    pub fn withdraw(&mut self, swarm: &mut Swarm<Behaviour>, keys: Vec<String>) {
+        let kad = &mut swarm.behaviour_mut().kad;
+        for key in keys {
+            self.pending.remove(&key);
+            kad.stop_providing(&RecordKey::new(&key));
+            self.provided.remove(&key);
+        }
+        self.update_gauge();
+    }
+
+    /// Starts a round when one is due, then whatever can start.
+    pub fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
+        if now >= self.next_round {
+            for key in &self.provided {
+                self.pending.insert(key.clone());
+            }
+            self.next_round = now + round_wait(&self.timing, &self.random, self.draws);
+            self.draws += 1;
+        }
+        self.progress(swarm);
+    }
+
+    /// Starts walks for pending keys and sends planned batches, up to the bounds.
+    pub fn progress(&mut self, swarm: &mut Swarm<Behaviour>) {
+        if swarm.connected_peers().next().is_some() {
+            while self.walks.len() < MAX_WALKS_IN_FLIGHT && !self.start_walk(swarm) {}
+        }
+        self.send_batches(swarm);
+        self.update_gauge();
+    }
+
+    /// Starts one walk; true when there is nothing (more) to start.
+    fn start_walk(&mut self, swarm: &mut Swarm<Behaviour>) -> bool {
+        let walking: HashSet<&Hash> = self.walks.values().collect();
+        // A random point, so walks started together go to different regions.
+        let mut at = [0u8; 32];
+        at[..8].copy_from_slice(&self.random.hash_one(self.draws).to_be_bytes());
+        self.draws += 1;
+        let Some(target) = self.pending.pick(at) else {
+            return true;
+        };
+        if walking.contains(&target) {
+            return true;
+        }
+        let Some(key) = self.pending.key(&target) else {
+            return true;
+        };
+        let id = swarm
+            .behaviour_mut()
+            .kad
+            .get_closest_peers(key.as_bytes().to_vec());
+        self.walks.insert(id, target);
+        false
+    }
+
+    /// A closest-peers query ended; false when it was not one of ours.
+    pub fn on_walk(
+        &mut self,
+        swarm: &mut Swarm<Behaviour>,
+        id: QueryId,
+        found: Vec<PeerInfo>,
+    ) -> bool {
+        let Some(target) = self.walks.remove(&id) else {
+            return false;
+        };
+        let whole_network = found.len() < REPLICAS;
+        let ids: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
+        let plan = self.pending.plan(&target, &ids, whole_network, REPLICAS);
+        let mut addrs: HashMap<PeerId, Vec<Multiaddr>> =
+            found.into_iter().map(|p| (p.peer_id, p.addrs)).collect();
+        for (peer, keys) in plan {
+            let out = self.outbox.entry(peer).or_default();
+            out.keys.extend(keys);
+            if let Some(a) = addrs.remove(&peer)
+                && !a.is_empty()
+            {
+                out.addrs = a;
+            }
+        }
+        self.progress(swarm);
+        true
+    }
+
+    /// Sends batches: to each node, once the round's walks are done (one request per node per
+    /// round), or as soon as a full batch is ready.
+    fn send_batches(&mut self, swarm: &mut Swarm<Behaviour>) {
+        let round_planned = self.walks.is_empty() && self.pending.is_empty();
+        let addrs: Vec<String> = swarm
+            .external_addresses()
+            .take(MAX_ADDRESSES)
+            .map(|a| a.to_string())
+            .collect();
+        while self.batches.len() < MAX_BATCHES_IN_FLIGHT {
+            let Some(peer) = self
+                .outbox
+                .iter()
+                .find(|(_, o)| round_planned || o.keys.len() >= MAX_KEYS_PER_BATCH)
+                .map(|(p, _)| *p)
+            else {
+                break;
+            };
+            let Some(out) = self.outbox.get_mut(&peer) else {
+                break;
+            };
+            let n = out.keys.len().min(MAX_KEYS_PER_BATCH);
+            let keys: Vec<String> = out.keys.drain(..n).collect();
+            let dial = out.addrs.clone();
+            if out.keys.is_empty() {
+                self.outbox.remove(&peer);
+            }
+            let request = ProvideBatch {
+                keys,
+                addrs: addrs.clone(),
+            };
+            let id = swarm
+                .behaviour_mut()
+                .provide
+                .send_request_with_addresses(&peer, request, dial);
+            self.batches.insert(id, n);
+        }
+    }
+
+    /// A batch request or answer.
+    pub fn on_provide_event(&mut self, swarm: &mut Swarm<Behaviour>, event: ProvideEvent) {
+        match event {
+            request_response::Event::Message {
+                peer,
+                message:
+                    request_response::Message::Request {
+                        request, channel, ..
+                    },
+                ..
+            } => {
+                self.metrics
+                    .dht_requests
+                    .get_or_create(&DhtLabels {
+                        kind: "provide_batch",
+                    })
+                    .inc();
+                let stored = self.store_batch(swarm, peer, request);
+                // The asker may have given up (timeout, closed connection): nothing to do.
+                let _ = swarm
+                    .behaviour_mut()
+                    .provide
+                    .send_response(channel, ProvideAck { stored });
+            }
+            request_response::Event::Message {
+                message: request_response::Message::Response { request_id, .. },
+                ..
+            } => {
+                self.batches.remove(&request_id);
+                self.progress(swarm);
+            }
+            request_response::Event::OutboundFailure {
+                peer,
+                request_id,
+                error,
+                ..
+            } => {
+                // The other replicas hold these keys; this node's next round tries again.
+                tracing::debug!(%peer, %error, "a batch of provider records was not delivered");
+                self.batches.remove(&request_id);
+                self.progress(swarm);
+            }
+            request_response::Event::InboundFailure { peer, error, .. } => {
+                tracing::debug!(%peer, %error, "a batch of provider records from a peer failed");
+            }
+            request_response::Event::ResponseSent { .. } => {}
+        }
+    }
+
+    /// Stores `peer`'s records. A batch out of bounds is refused whole: a Ferry never sends
+    /// one, so it is not a Ferry's.
+    fn store_batch(&self, swarm: &mut Swarm<Behaviour>, peer: PeerId, batch: ProvideBatch) -> u32 {
+        if batch.keys.len() > MAX_KEYS_PER_BATCH
+            || batch.addrs.len() > MAX_ADDRESSES
+            || batch.keys.iter().any(|k| k.len() > MAX_KEY_LEN)
+        {
+            tracing::debug!(%peer, keys = batch.keys.len(), "provider batch out of bounds; refused");
+            return 0;
+        }
+        let addrs: Vec<Multiaddr> = batch.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+        let expires = Instant::now() + self.timing.ttl;
+        let store = swarm.behaviour_mut().kad.store_mut();
+        let mut stored = 0;
+        for key in batch.keys {
+            let mut record = ProviderRecord::new(RecordKey::new(&key), peer, addrs.clone());
+            record.expires = Some(expires);
+            if store.add_provider(record).is_ok() {
+                stored += 1;
+            }
+        }
+        stored
+    }
+
+    fn update_gauge(&self) {
+        let planned: usize = self.outbox.values().map(|o| o.keys.len()).sum();
+        let sending: usize = self.batches.values().sum();
+        let n = self.pending.len() + planned + sending;
+        self.metrics.announcements_pending.set(n as i64);
+    }
+}
+
+/// How long until the next round: 75-100% of the interval, drawn per round.
+fn round_wait(timing: &ProvideTiming, random: &RandomState, draw: u64) -> std::time::Duration {
+    let x = random.hash_one(draw) as f64 / u64::MAX as f64;
+    timing.interval.mul_f64(0.75 + 0.25 * x)
+}
