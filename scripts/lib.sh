@@ -82,7 +82,7 @@ ensure_grpc_python() {
 
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then
-        echo "cargo not found: install Rust from https://rustup.rs (stable, 1.85 or newer)" >&2
+        echo "cargo not found: install Rust from https://rustup.rs (stable, 1.88 or newer)" >&2
         exit 1
     fi
 }

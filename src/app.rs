@@ -124,7 +124,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         None => (None, None),
     };
     let listeners = Listeners { mirror, peer, ops };
-    let peering = peers.map_or(Peering::Off, Peering::P2p);
+    let peering = peers.map_or(Peering::Off, |p| Peering::P2p(Box::new(p)));
     serve(config, store, listeners, peering, shutdown).await;
     Ok(())
 }
@@ -145,7 +145,7 @@ pub enum Peering {
     /// This node's content only.
     Off,
     /// The libp2p DHT.
-    P2p(PeerSetup),
+    P2p(Box<PeerSetup>),
     /// Any other router (tests: the in-memory one).
     Router {
         router: Arc<dyn Router>,
@@ -233,6 +233,7 @@ impl PeerSetup {
                     interval: settings.reprovide_interval,
                 },
                 psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
+                simulated_latency: None,
             },
             bootstrap: Bootstraps(sources),
             bootstrap_configured: !settings.bootstrap_peers.is_empty()

@@ -177,7 +177,9 @@ fn p2p_setup(
     let mut config = config(dir);
     let settings = Config::load(&flags).unwrap().p2p.unwrap();
     config.cluster_secret = secret;
-    Peering::P2p(PeerSetup::from_settings(&config, &settings).unwrap())
+    Peering::P2p(Box::new(
+        PeerSetup::from_settings(&config, &settings).unwrap(),
+    ))
 }
 
 /// Peering through an in-memory router, as node `id` of `network`.

@@ -26,6 +26,9 @@ const MAX_WALKS_IN_FLIGHT: usize = 4;
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
 /// Each key is stored on this many nodes (Kademlia's replication factor).
 const REPLICAS: usize = K_VALUE.get();
+/// A walk that found nobody (connected, but no peer in the routing table yet) is tried again
+/// after this long, not at once: at once would be a busy loop of empty walks.
+const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
 
 type ProvideEvent = request_response::Event<ProvideBatch, ProvideAck>;
 
@@ -53,6 +56,8 @@ pub(crate) struct Announcer {
     next_round: Instant,
     random: RandomState,
     draws: u64,
+    /// No walk starts before this (see [`EMPTY_WALK_BACKOFF`]).
+    walk_after: Option<Instant>,
 }
 
 impl Announcer {
@@ -70,6 +75,7 @@ impl Announcer {
             next_round,
             random,
             draws: 1,
+            walk_after: None,
         }
     }
 
@@ -124,7 +130,8 @@ impl Announcer {
 
     /// Starts walks for pending keys and sends planned batches, up to the bounds.
     pub fn progress(&mut self, swarm: &mut Swarm<Behaviour>) {
-        if swarm.connected_peers().next().is_some() {
+        let backing_off = self.walk_after.is_some_and(|t| Instant::now() < t);
+        if swarm.connected_peers().next().is_some() && !backing_off {
             while self.walks.len() < MAX_WALKS_IN_FLIGHT && !self.start_walk(swarm) {}
         }
         self.send_batches(swarm);
@@ -165,6 +172,9 @@ impl Announcer {
         let Some(target) = self.walks.remove(&id) else {
             return false;
         };
+        if found.is_empty() {
+            self.walk_after = Some(Instant::now() + EMPTY_WALK_BACKOFF);
+        }
         let whole_network = found.len() < REPLICAS;
         let ids: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
         let plan = self.pending.plan(&target, &ids, whole_network, REPLICAS);

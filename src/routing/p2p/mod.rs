@@ -4,6 +4,7 @@
 mod announce;
 mod announcer;
 mod behaviour;
+mod delay;
 mod event_loop;
 pub mod identity;
 mod store;
@@ -53,6 +54,9 @@ pub struct P2pConfig {
     pub timing: ProvideTiming,
     /// The private-network key (from the cluster secret): nodes without it cannot connect.
     pub psk: Option<[u8; 32]>,
+    /// A one-way delay added to every received byte, for the scale simulation only (see
+    /// `delay.rs`; without a private-network key). `None` in Ferry itself.
+    pub simulated_latency: Option<Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -118,10 +122,20 @@ impl P2pRouter {
         let timing = config.timing;
         let behaviour = move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing);
         let transport_err = |e: &dyn std::fmt::Display| P2pError::Transport(e.to_string());
-        let mut swarm = match config.psk {
+        let mut swarm = match (config.psk, config.simulated_latency) {
+            (None, Some(latency)) => SwarmBuilder::with_existing_identity(key)
+                .with_tokio()
+                .with_other_transport(|key| delayed_transport(key, latency))
+                .map_err(|e| transport_err(&e))?
+                .with_dns()
+                .map_err(|e| transport_err(&e))?
+                .with_behaviour(behaviour)
+                .map_err(|e| transport_err(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT))
+                .build(),
             // A private network: the pre-shared-key handshake runs before anything else, so a
             // node without the key cannot even start noise, let alone reach Kademlia.
-            Some(psk) => SwarmBuilder::with_existing_identity(key)
+            (Some(psk), _) => SwarmBuilder::with_existing_identity(key)
                 .with_tokio()
                 .with_other_transport(|key| private_transport(key, psk))
                 .map_err(|e| transport_err(&e))?
@@ -131,7 +145,7 @@ impl P2pRouter {
                 .map_err(|e| transport_err(&e))?
                 .with_swarm_config(|c| c.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT))
                 .build(),
-            None => SwarmBuilder::with_existing_identity(key)
+            (None, None) => SwarmBuilder::with_existing_identity(key)
                 .with_tokio()
                 .with_tcp(
                     tcp::Config::default().nodelay(true),
@@ -207,6 +221,23 @@ fn private_transport(
     Ok(
         tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
             .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
+            .upgrade(Version::V1Lazy)
+            .authenticate(noise)
+            .multiplex(yamux::Config::default())
+            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+            .boxed(),
+    )
+}
+
+/// TCP whose received bytes are held for `latency` (the scale simulation), then noise and yamux.
+fn delayed_transport(
+    key: &Keypair,
+    latency: Duration,
+) -> Result<Boxed<(PeerId, StreamMuxerBox)>, Box<dyn std::error::Error + Send + Sync>> {
+    let noise = noise::Config::new(key)?;
+    Ok(
+        tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+            .map(move |socket, _| delay::Delayed::new(socket, latency))
             .upgrade(Version::V1Lazy)
             .authenticate(noise)
             .multiplex(yamux::Config::default())

@@ -1,0 +1,905 @@
+//! The scale simulation (#13): N real Ferry routing stacks (`P2pRouter`: libp2p Kademlia over
+//! TCP with noise and yamux, Ferry's record store, its batched announcements and rounds, its
+//! lookups) on loopback inside a network namespace of their own, whose `lo` delays every packet
+//! (`tc netem`, default 0.25 ms per hop). The nodes run in several worker processes (one
+//! process cannot hold the sockets of 1,000 nodes: 20,000 file descriptors at most here),
+//! driven by this process over their stdin and stdout.
+//!
+//! Each node holds `--digests` keys, `--shared` of them the same on every node (the base
+//! images every node runs), the rest its own, and advertises them all at start, as Ferry's
+//! sync does after its first walk of the store (the store itself is not simulated: the keys
+//! are what the DHT sees). Measured per run: the time until every node's announcements are
+//! done; DHT requests and loopback bytes per node per second in steady state (a window of
+//! two re-announcement intervals, scaled to the default interval); lookup latency of present
+//! keys (to the first provider, what a pull waits for) and of absent ones (until the walk
+//! ends); resident memory per node (the workers' RSS over the nodes); the time until a new
+//! node's keys (a new identity, keys nobody else has) are findable from other nodes; and
+//! lookups under churn (5% of
+//! the nodes restarting per minute). Written to `<out>/scale.json` (a list of runs, one per
+//! node count and digest count, replaced when re-run) and drawn in `<out>/scale.png`.
+//!
+//! `cargo bench --bench scale -- [--nodes 100,300,1000] [--digests 10000] [--shared 0.8]
+//! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120] [--out DIR]
+//! [--replot]`. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
+
+#![allow(clippy::unwrap_used)] // a benchmark harness: failures are loud on purpose
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
+use ferry::problems::Problems;
+use ferry::routing::Router;
+use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
+use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+const P2P_BASE: u16 = 20_000;
+const HTTP_BASE: u16 = 40_000;
+/// Nodes each node bootstraps from (random earlier ones): Kademlia finds the rest.
+const BOOTSTRAP_PEERS: usize = 3;
+/// The interval a production node re-announces at (`--reprovide-interval`), whose mean round
+/// (75-100% of it) the steady-state traffic is scaled to.
+const DEFAULT_INTERVAL_S: f64 = 600.0;
+
+#[derive(Debug, Clone)]
+struct Options {
+    nodes: Vec<usize>,
+    digests: usize,
+    shared: f64,
+    latency_ms: f64,
+    interval_s: u64,
+    per_worker: usize,
+    churn_s: u64,
+    out: PathBuf,
+    replot: bool,
+}
+
+fn options(args: &[String]) -> Options {
+    let mut o = Options {
+        nodes: vec![100, 300, 1000],
+        digests: 10_000,
+        shared: 0.8,
+        latency_ms: 0.25,
+        interval_s: 120,
+        per_worker: 50,
+        churn_s: 120,
+        out: PathBuf::from("benches/results"),
+        replot: false,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut v = || it.next().cloned().unwrap_or_default();
+        match a.as_str() {
+            "--nodes" => o.nodes = v().split(',').map(|n| n.parse().unwrap()).collect(),
+            "--digests" => o.digests = v().parse().unwrap(),
+            "--shared" => o.shared = v().parse().unwrap(),
+            "--latency-ms" => o.latency_ms = v().parse().unwrap(),
+            "--interval-s" => o.interval_s = v().parse().unwrap(),
+            "--per-worker" => o.per_worker = v().parse().unwrap(),
+            "--churn-s" => o.churn_s = v().parse().unwrap(),
+            "--out" => o.out = PathBuf::from(v()),
+            "--replot" => o.replot = true,
+            "--bench" => {}
+            other => panic!("unknown option {other}"),
+        }
+    }
+    o
+}
+
+/// Node `i`'s keys: the shared ones first, then its own. Key strings are hashed by Kademlia,
+/// so sequential numbers spread over the key space like real digests.
+fn keys_of(i: usize, digests: usize, shared: f64) -> Vec<String> {
+    let n_shared = (digests as f64 * shared).round() as usize;
+    (0..digests)
+        .map(|j| {
+            if j < n_shared {
+                format!("sha256:{:032x}{j:032x}", u64::MAX)
+            } else {
+                format!("sha256:{:032x}{j:032x}", i + 1)
+            }
+        })
+        .collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--worker") {
+        return worker(&args[1..]);
+    }
+    let opts = options(&args);
+    let json_path = opts.out.join("scale.json");
+    if opts.replot {
+        let report: Value =
+            serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+        chart(&report, &opts.out.join("scale.png"));
+        println!("{}", table(&report));
+        return;
+    }
+    let ns = Netns::new();
+    let mut report: Value = std::fs::read_to_string(&json_path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_else(|| json!({ "runs": [] }));
+    for &n in &opts.nodes {
+        let run = run(&ns, &opts, n);
+        println!("{}", serde_json::to_string_pretty(&run).unwrap());
+        let runs = report["runs"].as_array_mut().unwrap();
+        runs.retain(|r| {
+            !(r["nodes"] == run["nodes"] && r["digests_per_node"] == run["digests_per_node"])
+        });
+        runs.push(run);
+        runs.sort_by_key(|r| (r["digests_per_node"].as_u64(), r["nodes"].as_u64()));
+        report["machine"] = json!(machine());
+        std::fs::create_dir_all(&opts.out).unwrap();
+        std::fs::write(&json_path, serde_json::to_string_pretty(&report).unwrap()).unwrap();
+        chart(&report, &opts.out.join("scale.png"));
+    }
+    println!("{}", table(&report));
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cpus} vCPUs, one run per row")
+}
+
+/// The simulation's network namespace (its own loopback, whose byte counters are the
+/// simulation's traffic); deleted on drop.
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    fn new() -> Netns {
+        let name = format!("ferry-scale-{}", std::process::id());
+        let ip = |args: &[&str]| {
+            let ok = Command::new("ip").args(args).status().unwrap().success();
+            assert!(ok, "ip {}", args.join(" "));
+        };
+        ip(&["netns", "add", &name]);
+        let ns = Netns { name };
+        ip(&["-n", &ns.name, "link", "set", "lo", "up"]);
+        ns
+    }
+
+    fn lo_bytes(&self) -> u64 {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.name,
+                "cat",
+                "/sys/class/net/lo/statistics/rx_bytes",
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// A worker process and its pipes. Killed on drop (its own child, by PID).
+struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Worker {
+    fn send(&mut self, command: &Value) {
+        writeln!(self.stdin, "{command}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    fn recv(&mut self) -> Value {
+        let mut line = String::new();
+        let n = self.stdout.read_line(&mut line).unwrap();
+        assert!(n > 0, "a worker stopped (see its log)");
+        serde_json::from_str(&line).unwrap()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends `command` to every worker, then collects every answer.
+fn all(workers: &mut [Worker], command: impl Fn(usize) -> Value) -> Vec<Value> {
+    for (i, w) in workers.iter_mut().enumerate() {
+        w.send(&command(i));
+    }
+    workers.iter_mut().map(Worker::recv).collect()
+}
+
+fn sum(answers: &[Value], field: &str) -> f64 {
+    answers
+        .iter()
+        .map(|a| a[field].as_f64().unwrap_or(0.0))
+        .sum()
+}
+
+fn concat(answers: &[Value], field: &str) -> Vec<f64> {
+    answers
+        .iter()
+        .flat_map(|a| a[field].as_array().cloned().unwrap_or_default())
+        .filter_map(|v| v.as_f64())
+        .collect()
+}
+
+fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
+    let workers_n = n.div_ceil(opts.per_worker);
+    let exe = std::env::current_exe().unwrap();
+    let logs = std::env::temp_dir().join(format!("ferry-scale-{n}"));
+    std::fs::create_dir_all(&logs).unwrap();
+    eprintln!(
+        "==> {n} nodes, {} digests each, {workers_n} worker processes (logs: {})",
+        opts.digests,
+        logs.display()
+    );
+    let mut workers: Vec<Worker> = (0..workers_n)
+        .map(|w| {
+            let lo = w * opts.per_worker;
+            let hi = ((w + 1) * opts.per_worker).min(n);
+            let mut child = Command::new("ip")
+                .args(["netns", "exec", &ns.name])
+                .arg(&exe)
+                .arg("--worker")
+                .args([lo, hi, n, opts.digests].map(|v| v.to_string()))
+                .args([opts.shared.to_string(), opts.interval_s.to_string()])
+                .arg(opts.latency_ms.to_string())
+                .arg(logs.join(format!("w{w}")))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(logs.join(format!("w{w}.log"))).unwrap())
+                .spawn()
+                .unwrap();
+            Worker {
+                stdin: child.stdin.take().unwrap(),
+                stdout: BufReader::new(child.stdout.take().unwrap()),
+                child,
+            }
+        })
+        .collect();
+
+    // Start: every node at once (as a new cluster's DaemonSet does), each advertising all its
+    // keys; done when no node has an announcement waiting.
+    let started = Instant::now();
+    all(&mut workers, |_| json!({ "cmd": "start" }));
+    let start_s = started.elapsed().as_secs_f64();
+    let mut idle_checks = 0;
+    let announced_s = loop {
+        std::thread::sleep(Duration::from_secs(2));
+        let stats = all(&mut workers, |_| json!({ "cmd": "stats" }));
+        let pending = sum(&stats, "pending");
+        let alone = sum(&stats, "alone");
+        eprintln!(
+            "    {:>5.0} s: {pending} keys waiting to be announced, {alone} nodes without peers, {:.0} MiB",
+            started.elapsed().as_secs_f64(),
+            sum(&stats, "rss_kib") / 1024.0
+        );
+        // Twice in a row: a round just finishing can show 0 between two walks.
+        idle_checks = if pending == 0.0 && alone == 0.0 {
+            idle_checks + 1
+        } else {
+            0
+        };
+        if idle_checks == 2 {
+            break started.elapsed().as_secs_f64() - 2.0;
+        }
+    };
+
+    // Steady state: two re-announcement intervals with nothing but the DHT's own traffic.
+    let window = Duration::from_secs(2 * opts.interval_s);
+    eprintln!("    steady state for {} s", window.as_secs());
+    let before = all(&mut workers, |_| json!({ "cmd": "stats" }));
+    let bytes_before = ns.lo_bytes();
+    std::thread::sleep(window);
+    let after = all(&mut workers, |_| json!({ "cmd": "stats" }));
+    let bytes_after = ns.lo_bytes();
+    let received = sum(&after, "dht_requests") - sum(&before, "dht_requests");
+    let secs = window.as_secs_f64();
+    let mean_round = 0.875 * opts.interval_s as f64;
+    // Per node per round, then at the default interval's mean round.
+    let per_round = received / n as f64 / (secs / mean_round);
+    let msgs_default = per_round / (0.875 * DEFAULT_INTERVAL_S);
+    let bytes_per_round = (bytes_after - bytes_before) as f64 / n as f64 / (secs / mean_round);
+    let rss_mib = sum(&after, "rss_kib") / 1024.0 / n as f64;
+    let connections = sum(&after, "connections") / n as f64;
+
+    // Lookups, one at a time per worker: present keys (another node's own), absent keys.
+    let (found_total, absent_total) = (400usize, 100usize);
+    let looked = all(&mut workers, |_| {
+        json!({ "cmd": "lookups",
+                "found": found_total.div_ceil(workers_n),
+                "absent": absent_total.div_ceil(workers_n) })
+    });
+    let found_ms = concat(&looked, "found_ms");
+    let absent_ms = concat(&looked, "absent_ms");
+    let missed = sum(&looked, "missed");
+
+    // A restarted node: until every sampled key of its own is found from other nodes.
+    let restarts = workers_n.min(5);
+    for w in workers.iter_mut().take(restarts) {
+        w.send(&json!({ "cmd": "restart" }));
+    }
+    let findable: Vec<f64> = workers
+        .iter_mut()
+        .take(restarts)
+        .map(|w| w.recv()["findable_s"].as_f64().unwrap_or(f64::NAN))
+        .collect();
+
+    // Churn: 5% of the nodes restart per minute, lookups go on.
+    let churn_before = all(&mut workers, |_| json!({ "cmd": "stats" }));
+    let churned = all(
+        &mut workers,
+        |_| json!({ "cmd": "churn", "seconds": opts.churn_s, "per_minute": 0.05 }),
+    );
+    let churn_after = all(&mut workers, |_| json!({ "cmd": "stats" }));
+    let churn_found = concat(&churned, "found_ms");
+    let churn_missed = sum(&churned, "missed");
+    let churn_received = sum(&churn_after, "dht_requests") - sum(&churn_before, "dht_requests");
+    let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
+    let _ = std::fs::remove_dir_all(&logs);
+
+    json!({
+        "nodes": n,
+        "digests_per_node": opts.digests,
+        "shared_fraction": opts.shared,
+        "latency_ms_per_hop": opts.latency_ms,
+        "worker_processes": workers_n,
+        "lookup_ms_p50": round3(percentile(&found_ms, 0.5)),
+        "lookup_ms_p99": round3(percentile(&found_ms, 0.99)),
+        "lookups": found_ms.len() as f64 + missed,
+        "lookups_not_found": missed,
+        "notfound_ms_p50": round3(percentile(&absent_ms, 0.5)),
+        "notfound_ms_p99": round3(percentile(&absent_ms, 0.99)),
+        "announce_msgs_per_node_per_s": round3(msgs_default),
+        "announce_msgs_per_node_per_round": round3(per_round),
+        "announce_bytes_per_node_per_round": bytes_per_round.round(),
+        "steady_window_s": secs,
+        "sim_interval_s": opts.interval_s,
+        "rss_mib_per_node": round3(rss_mib),
+        "connections_per_node": round3(connections),
+        "start_all_announced_s": round3(announced_s.max(start_s)),
+        "findable_after_start_s": round3(percentile(&findable, 1.0)),
+        "findable_after_start_s_each": findable.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        "churn_per_minute": 0.05,
+        "churn_s": opts.churn_s,
+        "churn_lookup_ms_p50": round3(percentile(&churn_found, 0.5)),
+        "churn_lookup_ms_p99": round3(percentile(&churn_found, 0.99)),
+        "churn_lookups_not_found": churn_missed,
+        "churn_lookups": churn_found.len() as f64 + churn_missed,
+        "churn_msgs_per_node_per_s": round3(churn_received / n as f64 / opts.churn_s as f64),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The worker: nodes `lo..hi` of `n`, commands on stdin, answers on stdout (one JSON per line).
+
+struct SimNode {
+    /// Whose keys it holds (`keys_of`), and the directory of its identity.
+    owner: usize,
+    identity: String,
+    router: P2pRouter,
+    token: CancellationToken,
+    task: JoinHandle<()>,
+    metrics: Arc<Metrics>,
+}
+
+#[derive(Clone)]
+struct Shape {
+    n: usize,
+    digests: usize,
+    shared: f64,
+    timing: ProvideTiming,
+    latency: Option<Duration>,
+    dir: PathBuf,
+}
+
+fn worker(args: &[String]) {
+    let num = |i: usize| args[i].parse::<usize>().unwrap();
+    let (lo, hi) = (num(0), num(1));
+    let interval = Duration::from_secs(args[5].parse().unwrap());
+    let shape = Shape {
+        n: num(2),
+        digests: num(3),
+        shared: args[4].parse().unwrap(),
+        timing: ProvideTiming {
+            ttl: interval * 3,
+            interval,
+        },
+        latency: Some(Duration::from_secs_f64(
+            args[6].parse::<f64>().unwrap() / 1000.0,
+        ))
+        .filter(|d| !d.is_zero()),
+        dir: PathBuf::from(&args[7]),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(serve(lo, hi, shape));
+}
+
+/// Node `i` (its address), holding `owner`'s keys, its identity in `identity` (a directory name).
+fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode {
+    let port = |base: u16| SocketAddr::new(LOOPBACK, base + i as u16);
+    // Random earlier nodes (node 0 has none; it waits for the others to dial it).
+    let addrs = (0..BOOTSTRAP_PEERS.min(i))
+        .map(|_| rand_below(i))
+        .map(|j| tcp_multiaddr(LOOPBACK, P2P_BASE + j as u16))
+        .collect();
+    let metrics = Arc::new(Metrics::new());
+    let token = CancellationToken::new();
+    let config = P2pConfig {
+        data_dir: shape.dir.join(identity),
+        listen: port(P2P_BASE),
+        advertise: Some(LOOPBACK),
+        peer_http_addr: port(HTTP_BASE),
+        timing: shape.timing,
+        psk: None,
+        simulated_latency: shape.latency,
+    };
+    let (router, task) = P2pRouter::start(
+        config,
+        Arc::new(StaticBootstrap { addrs }),
+        true,
+        metrics.clone(),
+        Arc::new(Problems::new(metrics.clone())),
+        token.clone(),
+    )
+    .unwrap();
+    let keys = keys_of(owner, shape.digests, shape.shared);
+    let r = router.clone();
+    tokio::spawn(async move {
+        let _ = r.advertise(keys).await;
+    });
+    SimNode {
+        owner,
+        identity: identity.to_string(),
+        router,
+        token,
+        task,
+        metrics,
+    }
+}
+
+fn rand_below(n: usize) -> usize {
+    use std::hash::BuildHasher;
+    let x = std::collections::hash_map::RandomState::new().hash_one(Instant::now());
+    (x % n.max(1) as u64) as usize
+}
+
+type Nodes = Arc<Mutex<HashMap<usize, SimNode>>>;
+
+async fn serve(lo: usize, hi: usize, shape: Shape) {
+    use tokio::io::AsyncBufReadExt;
+    let nodes: Nodes = Arc::new(Mutex::new(HashMap::new()));
+    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let command: Value = serde_json::from_str(&line).unwrap();
+        let answer = match command["cmd"].as_str().unwrap_or("") {
+            "start" => {
+                for i in lo..hi {
+                    let node = start_node(i, i, &format!("n{i}"), &shape);
+                    nodes.lock().unwrap().insert(i, node);
+                    tokio::task::yield_now().await;
+                }
+                json!({ "started": hi - lo })
+            }
+            "stats" => stats(&nodes),
+            "lookups" => {
+                let found = command["found"].as_u64().unwrap_or(0) as usize;
+                let absent = command["absent"].as_u64().unwrap_or(0) as usize;
+                lookups(&nodes, &shape, found, absent).await
+            }
+            "restart" => restart_and_find(&nodes, &shape, lo..hi).await,
+            "churn" => {
+                let secs = command["seconds"].as_u64().unwrap_or(60);
+                let rate = command["per_minute"].as_f64().unwrap_or(0.05);
+                churn(&nodes, &shape, lo..hi, secs, rate).await
+            }
+            "quit" => {
+                let all: Vec<SimNode> = nodes.lock().unwrap().drain().map(|(_, n)| n).collect();
+                for n in all {
+                    n.token.cancel();
+                    let _ = n.task.await;
+                }
+                println!("{}", json!({ "quit": true }));
+                return;
+            }
+            other => json!({ "error": format!("unknown command {other}") }),
+        };
+        println!("{answer}");
+    }
+}
+
+fn stats(nodes: &Nodes) -> Value {
+    let nodes = nodes.lock().unwrap();
+    let mut pending = 0i64;
+    let mut requests = 0u64;
+    let mut connections = 0usize;
+    let mut alone = 0usize;
+    for n in nodes.values() {
+        pending += n.metrics.announcements_pending.get();
+        for kind in DHT_REQUEST_KINDS {
+            requests += n
+                .metrics
+                .dht_requests
+                .get_or_create(&DhtLabels { kind })
+                .get();
+        }
+        let c = n.router.connected_peers();
+        connections += c;
+        alone += usize::from(c == 0);
+    }
+    json!({
+        "pending": pending,
+        "dht_requests": requests,
+        "connections": connections,
+        "alone": alone,
+        "rss_kib": rss_kib(),
+    })
+}
+
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// One lookup: milliseconds to the first provider (`Some`), or `None` when the walk ended
+/// without one; and milliseconds until the lookup ended.
+async fn lookup(router: &P2pRouter, key: &str) -> (Option<f64>, f64) {
+    let started = Instant::now();
+    let mut stream = router.lookup(key).await;
+    let first = tokio::time::timeout(Duration::from_secs(15), stream.recv()).await;
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    match first {
+        Ok(Some(_)) => (Some(ms), ms),
+        _ => (None, ms),
+    }
+}
+
+fn some_router(nodes: &Nodes, except: Option<usize>) -> Option<(usize, P2pRouter)> {
+    let nodes = nodes.lock().unwrap();
+    let ids: Vec<usize> = nodes
+        .keys()
+        .copied()
+        .filter(|i| Some(*i) != except)
+        .collect();
+    let i = *ids.get(rand_below(ids.len()))?;
+    Some((i, nodes[&i].router.clone()))
+}
+
+/// A key only node `owner` has.
+fn own_key(owner: usize, shape: &Shape) -> String {
+    let n_shared = (shape.digests as f64 * shape.shared).round() as usize;
+    let j = n_shared + rand_below(shape.digests - n_shared);
+    format!("sha256:{:032x}{j:032x}", owner + 1)
+}
+
+async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> Value {
+    let (mut found_ms, mut absent_ms, mut missed) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..found {
+        let Some((asker, router)) = some_router(nodes, None) else {
+            break;
+        };
+        let mut owner = rand_below(shape.n);
+        if owner == asker {
+            owner = (owner + 1) % shape.n;
+        }
+        match lookup(&router, &own_key(owner, shape)).await {
+            (Some(ms), _) => found_ms.push(ms),
+            (None, _) => missed += 1,
+        }
+    }
+    for k in 0..absent {
+        let Some((_, router)) = some_router(nodes, None) else {
+            break;
+        };
+        let key = format!(
+            "sha256:{:032x}{:032x}",
+            u64::MAX - 1,
+            rand_below(1 << 30) + k
+        );
+        absent_ms.push(lookup(&router, &key).await.1);
+    }
+    json!({ "found_ms": found_ms, "absent_ms": absent_ms, "missed": missed })
+}
+
+async fn stop(node: SimNode) {
+    node.token.cancel();
+    let _ = node.task.await;
+}
+
+/// Replaces one random node of this worker by a new one (a new identity at the same address,
+/// with keys no other node has, as a node added to the cluster) and measures how long until
+/// 20 of its keys are found from other nodes.
+async fn restart_and_find(nodes: &Nodes, shape: &Shape, range: std::ops::Range<usize>) -> Value {
+    let i = range.start + rand_below(range.len());
+    let old = nodes.lock().unwrap().remove(&i);
+    if let Some(old) = old {
+        stop(old).await;
+    }
+    let started = Instant::now();
+    let owner = shape.n + i;
+    let node = start_node(i, owner, &format!("new{i}"), shape);
+    nodes.lock().unwrap().insert(i, node);
+    let mut waiting: Vec<String> = (0..20).map(|_| own_key(owner, shape)).collect();
+    while !waiting.is_empty() && started.elapsed() < Duration::from_secs(300) {
+        let Some((_, router)) = some_router(nodes, Some(i)) else {
+            break;
+        };
+        let key = waiting.last().cloned().unwrap_or_default();
+        if lookup(&router, &key).await.0.is_some() {
+            waiting.pop();
+        } else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    json!({ "findable_s": if waiting.is_empty() { started.elapsed().as_secs_f64() } else { f64::NAN } })
+}
+
+/// `rate` of this worker's nodes restart per minute for `secs`, while lookups of other nodes'
+/// keys go on (about five a second).
+async fn churn(
+    nodes: &Nodes,
+    shape: &Shape,
+    range: std::ops::Range<usize>,
+    secs: u64,
+    rate: f64,
+) -> Value {
+    let restarts_per_s = range.len() as f64 * rate / 60.0;
+    let churner = {
+        let (nodes, shape, range) = (nodes.clone(), shape.clone(), range.clone());
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let mut done = 0.0;
+            while started.elapsed() < Duration::from_secs(secs) {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let due = started.elapsed().as_secs_f64() * restarts_per_s;
+                while done + 1.0 <= due {
+                    done += 1.0;
+                    let i = range.start + rand_below(range.len());
+                    let Some(old) = nodes.lock().unwrap().remove(&i) else {
+                        continue;
+                    };
+                    // A restarted pod: same identity, same keys, nothing in memory.
+                    let (owner, identity) = (old.owner, old.identity.clone());
+                    stop(old).await;
+                    let node = start_node(i, owner, &identity, &shape);
+                    nodes.lock().unwrap().insert(i, node);
+                }
+            }
+        })
+    };
+    let (mut found_ms, mut missed) = (Vec::new(), 0);
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(secs) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let Some((asker, router)) = some_router(nodes, None) else {
+            continue;
+        };
+        let mut owner = rand_below(shape.n);
+        if owner == asker {
+            owner = (owner + 1) % shape.n;
+        }
+        match lookup(&router, &own_key(owner, shape)).await {
+            (Some(ms), _) => found_ms.push(ms),
+            (None, _) => missed += 1,
+        }
+    }
+    let _ = churner.await;
+    json!({ "found_ms": found_ms, "missed": missed })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Report.
+
+fn f(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) if x.is_finite() => {
+            if x >= 100.0 {
+                format!("{x:.0}")
+            } else {
+                format!("{x:.2}")
+            }
+        }
+        _ => "-".to_string(),
+    }
+}
+
+fn table(report: &Value) -> String {
+    let mut out = String::from(
+        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in report["runs"].as_array().cloned().unwrap_or_default() {
+        out.push_str(&format!(
+            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} | {}/{} / {}/{} |\n",
+            r["nodes"],
+            r["digests_per_node"],
+            f(&r["lookup_ms_p50"]),
+            f(&r["lookup_ms_p99"]),
+            f(&r["notfound_ms_p50"]),
+            f(&r["announce_msgs_per_node_per_s"]),
+            f(&r["rss_mib_per_node"]),
+            f(&r["findable_after_start_s"]),
+            f(&r["connections_per_node"]),
+            r["lookups_not_found"],
+            r["lookups"],
+            r["churn_lookups_not_found"],
+            r["churn_lookups"],
+        ));
+    }
+    out
+}
+
+fn register_font() {
+    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+        .expect("DejaVu Sans (fonts-dejavu-core)");
+    let _ = plotters::style::register_font(
+        "sans-serif",
+        plotters::style::FontStyle::Normal,
+        Box::leak(font.into_boxed_slice()),
+    );
+}
+
+/// A panel: its title, its series (legend, JSON field) and its target.
+type Panel<'a> = (&'a str, &'a [(&'a str, &'a str)], f64);
+
+/// Three panels against the node count (for the largest digest count measured): lookup
+/// latency, announce traffic, memory; each with its target as a dashed red line.
+fn chart(report: &Value, path: &Path) {
+    use plotters::prelude::*;
+    register_font();
+    let runs = report["runs"].as_array().cloned().unwrap_or_default();
+    let digests = runs
+        .iter()
+        .filter_map(|r| r["digests_per_node"].as_u64())
+        .max()
+        .unwrap_or(0);
+    let runs: Vec<&Value> = runs
+        .iter()
+        .filter(|r| r["digests_per_node"].as_u64() == Some(digests))
+        .collect();
+    let root = BitMapBackend::new(path, (1500, 500)).into_drawing_area();
+    root.fill(&WHITE).unwrap();
+    let panels = root.split_evenly((1, 3));
+    let max_n = runs
+        .iter()
+        .filter_map(|r| r["nodes"].as_f64())
+        .fold(10.0, f64::max)
+        * 1.1;
+    let colors = [
+        RGBColor(30, 120, 200),
+        RGBColor(20, 170, 120),
+        RGBColor(230, 140, 30),
+    ];
+    let specs: [Panel; 3] = [
+        (
+            "Lookup latency (ms)",
+            &[
+                ("present, p50", "lookup_ms_p50"),
+                ("present, p99", "lookup_ms_p99"),
+                ("absent, p50", "notfound_ms_p50"),
+            ],
+            20.0,
+        ),
+        (
+            "DHT requests per node per second",
+            &[("at the 10 min interval", "announce_msgs_per_node_per_s")],
+            10.0,
+        ),
+        (
+            "Resident memory per node (MiB)",
+            &[("RSS / nodes", "rss_mib_per_node")],
+            64.0,
+        ),
+    ];
+    for (panel, (title, series, target)) in panels.iter().zip(specs) {
+        let max = runs
+            .iter()
+            .flat_map(|r| {
+                series
+                    .iter()
+                    .map(move |(_, k)| r[*k].as_f64().unwrap_or(0.0))
+            })
+            .filter(|x| x.is_finite())
+            .fold(target, f64::max)
+            * 1.15;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(
+                format!("{title}, {digests} digests/node"),
+                ("sans-serif", 18),
+            )
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0f64..max_n, 0f64..max)
+            .unwrap();
+        chart.configure_mesh().x_desc("nodes").draw().unwrap();
+        for (s, (name, key)) in series.iter().enumerate() {
+            let color = colors[s % colors.len()];
+            let points: Vec<(f64, f64)> = runs
+                .iter()
+                .filter_map(|r| {
+                    Some((
+                        r["nodes"].as_f64()?,
+                        r[*key].as_f64().filter(|x| x.is_finite())?,
+                    ))
+                })
+                .collect();
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+                .unwrap()
+                .label(*name)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 15, y)], color.stroke_width(2))
+                });
+            chart
+                .draw_series(
+                    points
+                        .into_iter()
+                        .map(|p| Circle::new(p, 4, color.filled())),
+                )
+                .unwrap();
+        }
+        let red = RGBColor(200, 30, 30);
+        chart
+            .draw_series(DashedLineSeries::new(
+                vec![(0.0, target), (max_n, target)],
+                6,
+                4,
+                red.stroke_width(1),
+            ))
+            .unwrap()
+            .label("target")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], red));
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .unwrap();
+    }
+    root.present().unwrap();
+}
