@@ -49,6 +49,10 @@ const BOOTSTRAP_PEERS: usize = 3;
 /// The interval a production node re-announces at (`--reprovide-interval`), whose mean round
 /// (75-100% of it) the steady-state traffic is scaled to.
 const DEFAULT_INTERVAL_S: f64 = 600.0;
+/// Between two lookups of one worker process (about 50 lookups a second per process).
+const LOOKUP_GAP: Duration = Duration::from_millis(20);
+/// The simulation stops when its processes hold more than this (the machine has 24 GiB).
+const MEMORY_LIMIT_MIB: f64 = 20.0 * 1024.0;
 
 #[derive(Debug, Clone)]
 struct Options {
@@ -311,6 +315,12 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
             started.elapsed().as_secs_f64(),
             sum(&stats, "rss_kib") / 1024.0
         );
+        let rss = sum(&stats, "rss_kib") / 1024.0;
+        if rss > MEMORY_LIMIT_MIB {
+            eprintln!("    {rss:.0} MiB: more than this machine can hold; {n} nodes do not fit");
+            let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
+            return json!({ "nodes": n, "digests_per_node": opts.digests, "did_not_fit_mib": rss.round() });
+        }
         // Twice in a row: a round just finishing can show 0 between two walks.
         idle_checks = if pending == 0.0 && alone == 0.0 {
             idle_checks + 1
@@ -381,6 +391,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "shared_fraction": opts.shared,
         "latency_ms_per_hop": opts.latency_ms,
         "worker_processes": workers_n,
+        "lookup_gap_ms": LOOKUP_GAP.as_millis() as u64,
         "lookup_ms_p50": round3(percentile(&found_ms, 0.5)),
         "lookup_ms_p99": round3(percentile(&found_ms, 0.99)),
         "lookups": found_ms.len() as f64 + missed,
@@ -619,6 +630,8 @@ fn own_key(owner: usize, shape: &Shape) -> String {
 async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> Value {
     let (mut found_ms, mut absent_ms, mut missed) = (Vec::new(), Vec::new(), 0);
     for _ in 0..found {
+        // One lookup at a time, 20 ms apart: the latency of a lookup, not of a queue of them.
+        tokio::time::sleep(LOOKUP_GAP).await;
         let Some((asker, router)) = some_router(nodes, None) else {
             break;
         };
@@ -752,6 +765,13 @@ fn table(report: &Value) -> String {
         "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in report["runs"].as_array().cloned().unwrap_or_default() {
+        if let Some(mib) = r["did_not_fit_mib"].as_f64() {
+            out.push_str(&format!(
+                "| {} | {} | did not fit: {mib:.0} MiB before the start was over |||||||\n",
+                r["nodes"], r["digests_per_node"]
+            ));
+            continue;
+        }
         out.push_str(&format!(
             "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} | {}/{} / {}/{} |\n",
             r["nodes"],

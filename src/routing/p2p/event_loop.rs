@@ -291,6 +291,20 @@ impl EventLoop {
                 if step.last {
                     self.lookups.remove(&id);
                 }
+                // Nobody reads this lookup any more (Ferry takes the first providers and
+                // stops): end the walk instead of asking every closest node for nothing.
+                // Measured in the scale simulation: walks left running after their answer
+                // made lookups started right behind them 10x slower.
+                if self
+                    .lookups
+                    .get(&id)
+                    .is_some_and(|(reply, _)| reply.is_closed())
+                {
+                    self.lookups.remove(&id);
+                    if let Some(mut query) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                        query.finish();
+                    }
+                }
             }
             kad::Event::OutboundQueryProgressed {
                 id,
