@@ -17,6 +17,7 @@
 //! neighbourhood and asks them, so it finds them as it finds Kademlia's own.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use libp2p::PeerId;
 use libp2p::kad::{KBucketKey, RecordKey};
@@ -143,8 +144,9 @@ impl Pending {
         found: &[PeerId],
         whole_network: bool,
         replicas: usize,
-    ) -> HashMap<PeerId, Vec<String>> {
-        let mut out: HashMap<PeerId, Vec<String>> = HashMap::new();
+    ) -> HashMap<PeerId, Vec<Arc<str>>> {
+        // Each key goes to 20 nodes: shared, not copied 20 times (10,000 keys would be 20 MB).
+        let mut out: HashMap<PeerId, Vec<Arc<str>>> = HashMap::new();
         let peers: Vec<(PeerId, Hash)> = found.iter().map(|p| (*p, peer_hash(p))).collect();
         if peers.is_empty() {
             return out;
@@ -171,6 +173,7 @@ impl Pending {
             let Some(key) = self.keys.remove(&h) else {
                 continue;
             };
+            let key: Arc<str> = key.into();
             let mut by_distance: Vec<(Hash, PeerId)> =
                 peers.iter().map(|(p, ph)| (xor(&h, ph), *p)).collect();
             by_distance.sort_unstable_by_key(|(d, _)| *d);
@@ -246,7 +249,7 @@ mod tests {
             requests += plan.len();
             for (peer, keys) in plan {
                 for k in keys {
-                    stored.entry(k).or_default().push(peer);
+                    stored.entry(k.to_string()).or_default().push(peer);
                 }
             }
         }

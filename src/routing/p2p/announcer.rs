@@ -35,7 +35,7 @@ type ProvideEvent = request_response::Event<ProvideBatch, ProvideAck>;
 /// Keys planned for one node, with the addresses the walk found it at.
 #[derive(Debug, Default)]
 struct Outgoing {
-    keys: Vec<String>,
+    keys: Vec<Arc<str>>,
     addrs: Vec<Multiaddr>,
 }
 
@@ -162,12 +162,14 @@ impl Announcer {
         false
     }
 
-    /// A closest-peers query ended; false when it was not one of ours.
+    /// A closest-peers query ended (`complete`: it converged, not timed out); false when it
+    /// was not one of ours.
     pub fn on_walk(
         &mut self,
         swarm: &mut Swarm<Behaviour>,
         id: QueryId,
         found: Vec<PeerInfo>,
+        complete: bool,
     ) -> bool {
         let Some(target) = self.walks.remove(&id) else {
             return false;
@@ -175,7 +177,10 @@ impl Announcer {
         if found.is_empty() {
             self.walk_after = Some(Instant::now() + EMPTY_WALK_BACKOFF);
         }
-        let whole_network = found.len() < REPLICAS;
+        // Fewer than asked for from a walk that converged: there are no others. A walk that
+        // timed out says nothing of the rest (taking it for the whole network would put every
+        // waiting key on the few nodes it reached).
+        let whole_network = complete && found.len() < REPLICAS;
         let ids: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
         let plan = self.pending.plan(&target, &ids, whole_network, REPLICAS);
         let mut addrs: HashMap<PeerId, Vec<Multiaddr>> =
@@ -215,7 +220,7 @@ impl Announcer {
                 break;
             };
             let n = out.keys.len().min(MAX_KEYS_PER_BATCH);
-            let keys: Vec<String> = out.keys.drain(..n).collect();
+            let keys: Vec<String> = out.keys.drain(..n).map(|k| k.to_string()).collect();
             let dial = out.addrs.clone();
             if out.keys.is_empty() {
                 self.outbox.remove(&peer);

@@ -30,6 +30,8 @@ pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Keys with provider records in this node's store, its own and other nodes': a node serves
 /// every digest of every image it holds, and 10,000 is common on a busy node.
 const MAX_PROVIDED_KEYS: usize = 1_000_000;
+/// Kademlia's alpha (see `Behaviour::new`).
+const PARALLELISM: usize = 10;
 
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
@@ -61,6 +63,13 @@ impl Behaviour {
             .set_publication_interval(None);
         if let Some(n) = NonZeroUsize::new(20) {
             config.set_replication_factor(n);
+        }
+        // Nodes asked at once per walk. A lookup that finds nothing has asked the 20 closest
+        // nodes; three at a time (Kademlia's default) is seven round trips after the first
+        // hop, about 35 ms at 0.25 ms per hop in the scale simulation. In a cluster's network
+        // asking more at once costs nothing noticeable.
+        if let Some(n) = NonZeroUsize::new(PARALLELISM) {
+            config.set_parallelism(n);
         }
         let store = ProviderStore::new(peer_id, MAX_PROVIDED_KEYS);
         let mut kad = kad::Behaviour::with_config(peer_id, store, config);

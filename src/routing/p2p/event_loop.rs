@@ -311,12 +311,13 @@ impl EventLoop {
                 result: QueryResult::GetClosestPeers(result),
                 ..
             } => {
-                let found = match result {
-                    Ok(ok) => ok.peers,
-                    // Timed out: the nodes it did find still hold the records.
-                    Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
+                let (found, complete) = match result {
+                    Ok(ok) => (ok.peers, true),
+                    // Timed out: the nodes it did find can still hold the records, but they
+                    // are not the whole network, however few.
+                    Err(kad::GetClosestPeersError::Timeout { peers, .. }) => (peers, false),
                 };
-                self.announcer.on_walk(&mut self.swarm, id, found);
+                self.announcer.on_walk(&mut self.swarm, id, found, complete);
             }
             kad::Event::InboundRequest { request } => {
                 let kind = match request {

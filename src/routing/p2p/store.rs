@@ -3,25 +3,46 @@
 //! libp2p's `MemoryStore` keeps every key's providers in a `SmallVec` with room for 20 records
 //! inline, about 4 KiB per key whether one node provides it or twenty. A node with 2,500
 //! images (10,000 digests, 12,500 keys) held 50 MiB in it (measured with massif; resident
-//! memory 80 MiB). Here a key's providers are a `Vec` of the records that exist, usually one to
-//! three. Ferry stores no values in the DHT: value records are refused.
+//! memory 80 MiB). A `ProviderRecord` itself is about 300 bytes (its own copy of the key, the
+//! provider's ID and addresses), and in a large cluster a node holds records for 50,000-80,000
+//! keys of other nodes (the scale simulation: 48 MiB per node at 100 nodes with whole records).
+//! Here each key is stored once, each provider once (its ID and addresses, shared by all its
+//! records), and a record is the provider's number and its expiry: 24 bytes. Records are
+//! rebuilt when Kademlia asks for them. Ferry stores no values in the DHT: value records are
+//! refused.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet, hash_map, hash_set};
-use std::iter;
+use std::collections::{HashMap, hash_map};
 use std::time::Instant;
 
-use libp2p::PeerId;
 use libp2p::kad::store::{Error, RecordStore, Result};
 use libp2p::kad::{K_VALUE, ProviderRecord, Record, RecordKey};
+use libp2p::{Multiaddr, PeerId};
+
+/// One provider's record for one key.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    provider: u32,
+    expires: Option<Instant>,
+}
+
+/// A provider, shared by all its records.
+#[derive(Debug)]
+struct Provider {
+    id: PeerId,
+    addresses: Vec<Multiaddr>,
+    /// Records that name it; at 0 its number is free for the next new provider.
+    records: usize,
+}
 
 #[derive(Debug)]
 pub struct ProviderStore {
     local: PeerId,
     max_keys: usize,
-    providers: HashMap<RecordKey, Vec<ProviderRecord>>,
-    /// This node's own records (also in `providers`): what Kademlia re-announces.
-    provided: HashSet<ProviderRecord>,
+    providers: HashMap<Box<[u8]>, Vec<Slot>>,
+    peers: Vec<Option<Provider>>,
+    numbers: HashMap<PeerId, u32>,
+    free: Vec<u32>,
 }
 
 impl ProviderStore {
@@ -31,7 +52,9 @@ impl ProviderStore {
             local,
             max_keys,
             providers: HashMap::new(),
-            provided: HashSet::new(),
+            peers: Vec::new(),
+            numbers: HashMap::new(),
+            free: Vec::new(),
         }
     }
 
@@ -39,30 +62,105 @@ impl ProviderStore {
     /// many records went. libp2p's Kademlia drops an expired record only when its key is
     /// looked up, so a key nobody asks for again would stay for the node's life (memory that
     /// grows with every image the cluster ever held, and once `max_keys` is reached, new
-    /// keys kept out). This node's own records are left to Kademlia, which re-announces them.
+    /// keys kept out). This node's own records are the announcer's (`announcer.rs`), which
+    /// announces them again.
     pub fn expire(&mut self, now: Instant) -> usize {
-        let local = self.local;
+        let local = self.number_of(&self.local);
+        let mut released = Vec::new();
         let mut gone = 0;
-        self.providers.retain(|_, records| {
-            let before = records.len();
-            records.retain(|r| r.provider == local || !r.is_expired(now));
-            gone += before - records.len();
-            !records.is_empty()
+        self.providers.retain(|_, slots| {
+            slots.retain(|s| {
+                let keep = Some(s.provider) == local || s.expires.is_none_or(|t| t > now);
+                if !keep {
+                    released.push(s.provider);
+                }
+                keep
+            });
+            !slots.is_empty()
         });
+        gone += released.len();
+        for n in released {
+            self.release(n);
+        }
         // A map that held many more keys than it does now gives the memory back.
         if self.providers.capacity() > 4 * self.providers.len().max(1024) {
             self.providers.shrink_to_fit();
         }
         gone
     }
+
+    fn number_of(&self, id: &PeerId) -> Option<u32> {
+        self.numbers.get(id).copied()
+    }
+
+    /// The provider's number, registering it (or its new addresses) as needed.
+    fn acquire(&mut self, id: PeerId, addresses: &[Multiaddr]) -> u32 {
+        if let Some(&n) = self.numbers.get(&id) {
+            if let Some(Some(p)) = self.peers.get_mut(n as usize)
+                && !addresses.is_empty()
+                && p.addresses.as_slice() != addresses
+            {
+                p.addresses = addresses.to_vec();
+            }
+            return n;
+        }
+        let provider = Provider {
+            id,
+            addresses: addresses.to_vec(),
+            records: 0,
+        };
+        let n = match self.free.pop() {
+            Some(n) => {
+                self.peers[n as usize] = Some(provider);
+                n
+            }
+            None => {
+                self.peers.push(Some(provider));
+                (self.peers.len() - 1) as u32
+            }
+        };
+        self.numbers.insert(id, n);
+        n
+    }
+
+    fn retain(&mut self, n: u32) {
+        if let Some(Some(p)) = self.peers.get_mut(n as usize) {
+            p.records += 1;
+        }
+    }
+
+    /// One record naming provider `n` is gone.
+    fn release(&mut self, n: u32) {
+        let Some(slot) = self.peers.get_mut(n as usize) else {
+            return;
+        };
+        let unused = match slot {
+            Some(p) => {
+                p.records = p.records.saturating_sub(1);
+                p.records == 0
+            }
+            None => false,
+        };
+        if unused && let Some(p) = slot.take() {
+            self.numbers.remove(&p.id);
+            self.free.push(n);
+        }
+    }
+
+    fn record(&self, key: &[u8], slot: &Slot) -> Option<ProviderRecord> {
+        let p = self.peers.get(slot.provider as usize)?.as_ref()?;
+        Some(ProviderRecord {
+            key: RecordKey::new(&key),
+            provider: p.id,
+            expires: slot.expires,
+            addresses: p.addresses.clone(),
+        })
+    }
 }
 
 impl RecordStore for ProviderStore {
-    type RecordsIter<'a> = iter::Empty<Cow<'a, Record>>;
-    type ProvidedIter<'a> = iter::Map<
-        hash_set::Iter<'a, ProviderRecord>,
-        fn(&'a ProviderRecord) -> Cow<'a, ProviderRecord>,
-    >;
+    type RecordsIter<'a> = std::iter::Empty<Cow<'a, Record>>;
+    type ProvidedIter<'a> = std::vec::IntoIter<Cow<'a, ProviderRecord>>;
 
     fn get(&self, _: &RecordKey) -> Option<Cow<'_, Record>> {
         None
@@ -75,61 +173,97 @@ impl RecordStore for ProviderStore {
     fn remove(&mut self, _: &RecordKey) {}
 
     fn records(&self) -> Self::RecordsIter<'_> {
-        iter::empty()
+        std::iter::empty()
     }
 
     fn add_provider(&mut self, record: ProviderRecord) -> Result<()> {
-        let keys = self.providers.len();
-        let providers = match self.providers.entry(record.key.clone()) {
-            hash_map::Entry::Occupied(e) => e.into_mut(),
-            hash_map::Entry::Vacant(_) if keys >= self.max_keys => {
-                // Full: make room from expired records before refusing a key.
-                self.expire(Instant::now());
-                if self.providers.len() >= self.max_keys {
-                    return Err(Error::MaxProvidedKeys);
-                }
-                self.providers
-                    .entry(record.key.clone())
-                    .or_insert_with(|| Vec::with_capacity(1))
+        let key: &[u8] = record.key.as_ref();
+        if !self.providers.contains_key(key) && self.providers.len() >= self.max_keys {
+            // Full: make room from expired records before refusing a key.
+            self.expire(Instant::now());
+            if self.providers.len() >= self.max_keys {
+                return Err(Error::MaxProvidedKeys);
             }
+        }
+        let n = self.acquire(record.provider, &record.addresses);
+        let slots = self
+            .providers
+            .entry(Box::from(key))
             // Room for exactly one: most keys never have a second provider record here.
-            hash_map::Entry::Vacant(e) => e.insert(Vec::with_capacity(1)),
-        };
-        let local = record.provider == self.local;
-        if let Some(known) = providers.iter_mut().find(|p| p.provider == record.provider) {
-            // A refresh: new expiry, maybe new addresses.
-            *known = record.clone();
-        } else if providers.len() < K_VALUE.get() {
-            providers.push(record.clone());
-        } else {
+            .or_insert_with(|| Vec::with_capacity(1));
+        if let Some(known) = slots.iter_mut().find(|s| s.provider == n) {
+            // A refresh: new expiry (the addresses were updated above).
+            known.expires = record.expires;
             return Ok(());
         }
-        if local {
-            self.provided.replace(record);
+        if slots.len() >= K_VALUE.get() {
+            // Enough providers for this key; a provider registered just for it goes again.
+            self.release_if_unused(n);
+            return Ok(());
         }
+        slots.push(Slot {
+            provider: n,
+            expires: record.expires,
+        });
+        self.retain(n);
         Ok(())
     }
 
     fn providers(&self, key: &RecordKey) -> Vec<ProviderRecord> {
-        self.providers.get(key).cloned().unwrap_or_default()
+        let key: &[u8] = key.as_ref();
+        self.providers
+            .get(key)
+            .map(|slots| slots.iter().filter_map(|s| self.record(key, s)).collect())
+            .unwrap_or_default()
     }
 
+    /// This node's own records. libp2p asks only to republish them, which Ferry turned off
+    /// (the announcer re-announces): a scan, built on demand.
     fn provided(&self) -> Self::ProvidedIter<'_> {
-        self.provided.iter().map(Cow::Borrowed)
+        let Some(local) = self.number_of(&self.local) else {
+            return Vec::new().into_iter();
+        };
+        self.providers
+            .iter()
+            .flat_map(|(key, slots)| {
+                slots
+                    .iter()
+                    .filter(|s| s.provider == local)
+                    .filter_map(|s| self.record(key, s))
+            })
+            .map(Cow::Owned)
+            .collect::<Vec<_>>()
+            .into_iter()
     }
 
     fn remove_provider(&mut self, key: &RecordKey, provider: &PeerId) {
-        let hash_map::Entry::Occupied(mut e) = self.providers.entry(key.clone()) else {
+        let Some(n) = self.number_of(provider) else {
             return;
         };
-        if let Some(i) = e.get().iter().position(|p| &p.provider == provider) {
-            let gone = e.get_mut().swap_remove(i);
-            if gone.provider == self.local {
-                self.provided.remove(&gone);
-            }
-        }
+        let key: &[u8] = key.as_ref();
+        let hash_map::Entry::Occupied(mut e) = self.providers.entry(Box::from(key)) else {
+            return;
+        };
+        let before = e.get().len();
+        e.get_mut().retain(|s| s.provider != n);
+        let removed = before - e.get().len();
         if e.get().is_empty() {
             e.remove();
+        }
+        for _ in 0..removed {
+            self.release(n);
+        }
+    }
+}
+
+impl ProviderStore {
+    /// A provider registered for a record that was then not kept.
+    fn release_if_unused(&mut self, n: u32) {
+        if let Some(Some(p)) = self.peers.get(n as usize)
+            && p.records == 0
+        {
+            self.retain(n);
+            self.release(n);
         }
     }
 }
@@ -226,6 +360,35 @@ mod tests {
         store.add_provider(record("k2", PeerId::random())).unwrap();
         assert_eq!(store.providers(&RecordKey::new(&"k2")).len(), 1);
         assert!(store.providers(&RecordKey::new(&"k1")).is_empty());
+    }
+
+    #[test]
+    fn a_provider_is_held_once_and_forgotten_with_its_last_record() {
+        let (me, other, now) = (PeerId::random(), PeerId::random(), Instant::now());
+        let mut store = ProviderStore::new(me, 100_000);
+        let addr: Multiaddr = "/ip4/10.0.0.2/tcp/5482".parse().unwrap();
+        for i in 0..1_000 {
+            let mut r =
+                ProviderRecord::new(RecordKey::new(&format!("k{i}")), other, vec![addr.clone()]);
+            r.expires = Some(now + Duration::from_secs(60));
+            store.add_provider(r).unwrap();
+        }
+        assert_eq!(store.numbers.len(), 1, "one provider, held once");
+        let found = store.providers(&RecordKey::new(&"k7"));
+        assert_eq!(
+            (found[0].provider, &found[0].addresses),
+            (other, &vec![addr])
+        );
+        assert_eq!(found[0].key, RecordKey::new(&"k7"));
+        store.expire(now + Duration::from_secs(120));
+        assert!(store.providers.is_empty());
+        assert!(
+            store.numbers.is_empty(),
+            "the provider went with its last record"
+        );
+        // Its number is used again.
+        store.add_provider(record("k", PeerId::random())).unwrap();
+        assert_eq!(store.peers.len(), 1);
     }
 
     #[test]
