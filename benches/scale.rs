@@ -121,6 +121,10 @@ fn main() {
     if args.first().map(String::as_str) == Some("--worker") {
         return worker(&args[1..]);
     }
+    // `cargo test --all-targets` runs bench binaries too, without `--bench`: do nothing then.
+    if !args.iter().any(|a| a == "--bench" || a == "--replot") {
+        return;
+    }
     let opts = options(&args);
     let json_path = opts.out.join("scale.json");
     if opts.replot {
