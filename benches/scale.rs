@@ -24,6 +24,10 @@
 
 #![allow(clippy::unwrap_used)] // a benchmark harness: failures are loud on purpose
 
+#[allow(dead_code)] // the cluster report: only its font registration is used here
+#[path = "cluster/report.rs"]
+mod report;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -638,21 +642,26 @@ fn own_key(owner: usize, shape: &Shape) -> String {
     format!("sha256:{:032x}{j:032x}", owner + 1)
 }
 
+/// From a random node, a key only another node has: milliseconds to its first provider
+/// (`Some(None)` when none was found), or `None` when this worker has no node.
+async fn lookup_elsewhere(nodes: &Nodes, shape: &Shape) -> Option<Option<f64>> {
+    let (asker, router) = some_router(nodes, None)?;
+    let mut owner = rand_below(shape.n);
+    if owner == asker {
+        owner = (owner + 1) % shape.n;
+    }
+    Some(lookup(&router, &own_key(owner, shape)).await.0)
+}
+
 async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> Value {
     let (mut found_ms, mut absent_ms, mut missed) = (Vec::new(), Vec::new(), 0);
     for _ in 0..found {
         // One lookup at a time, 20 ms apart: the latency of a lookup, not of a queue of them.
         tokio::time::sleep(LOOKUP_GAP).await;
-        let Some((asker, router)) = some_router(nodes, None) else {
-            break;
-        };
-        let mut owner = rand_below(shape.n);
-        if owner == asker {
-            owner = (owner + 1) % shape.n;
-        }
-        match lookup(&router, &own_key(owner, shape)).await {
-            (Some(ms), _) => found_ms.push(ms),
-            (None, _) => missed += 1,
+        match lookup_elsewhere(nodes, shape).await {
+            Some(Some(ms)) => found_ms.push(ms),
+            Some(None) => missed += 1,
+            None => break,
         }
     }
     for k in 0..absent {
@@ -739,16 +748,10 @@ async fn churn(
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(secs) {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let Some((asker, router)) = some_router(nodes, None) else {
-            continue;
-        };
-        let mut owner = rand_below(shape.n);
-        if owner == asker {
-            owner = (owner + 1) % shape.n;
-        }
-        match lookup(&router, &own_key(owner, shape)).await {
-            (Some(ms), _) => found_ms.push(ms),
-            (None, _) => missed += 1,
+        match lookup_elsewhere(nodes, shape).await {
+            Some(Some(ms)) => found_ms.push(ms),
+            Some(None) => missed += 1,
+            None => continue,
         }
     }
     let _ = churner.await;
@@ -810,16 +813,6 @@ fn table(report: &Value) -> String {
     out
 }
 
-fn register_font() {
-    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
-        .expect("DejaVu Sans (fonts-dejavu-core)");
-    let _ = plotters::style::register_font(
-        "sans-serif",
-        plotters::style::FontStyle::Normal,
-        Box::leak(font.into_boxed_slice()),
-    );
-}
-
 /// A panel: its title, its series (legend, JSON field) and its target.
 type Panel<'a> = (&'a str, &'a [(&'a str, &'a str)], f64);
 
@@ -827,7 +820,7 @@ type Panel<'a> = (&'a str, &'a [(&'a str, &'a str)], f64);
 /// latency, announce traffic, memory; each with its target as a dashed red line.
 fn chart(report: &Value, path: &Path) {
     use plotters::prelude::*;
-    register_font();
+    report::register_font();
     let runs = report["runs"].as_array().cloned().unwrap_or_default();
     let mut digest_counts: Vec<u64> = runs
         .iter()
