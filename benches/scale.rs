@@ -40,7 +40,7 @@ use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
 use ferry::problems::Problems;
 use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
-use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
+use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -467,6 +467,7 @@ fn worker(args: &[String]) {
         timing: ProvideTiming {
             ttl: interval * 3,
             interval,
+            replicas: REPLICAS,
         },
         latency: Some(Duration::from_secs_f64(
             args[6].parse::<f64>().unwrap() / 1000.0,

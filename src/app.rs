@@ -38,7 +38,7 @@ use crate::registry::{
 };
 use crate::routing::Router;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
-use crate::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
+use crate::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use crate::routing::sync::{self, SyncConfig};
 use crate::store::ContentStore;
 use crate::store::containerd::ContainerdStore;
@@ -231,6 +231,7 @@ impl PeerSetup {
                 timing: ProvideTiming {
                     ttl: settings.provide_ttl,
                     interval: settings.reprovide_interval,
+                    replicas: REPLICAS,
                 },
                 psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
                 simulated_latency: None,

@@ -157,6 +157,7 @@ pub struct Metrics {
     pub peers_connected: Gauge,
     pub keys_advertised: Gauge,
     pub announcements_pending: Gauge,
+    pub announcements_rested: Counter,
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
@@ -204,6 +205,7 @@ impl Metrics {
         let peers_connected = Gauge::default();
         let keys_advertised = Gauge::default();
         let announcements_pending = Gauge::default();
+        let announcements_rested = Counter::default();
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
@@ -268,6 +270,11 @@ impl Metrics {
             "announcements_pending",
             "Keys waiting to be announced in the DHT: queued for a walk, or planned for a node and not yet acknowledged",
             announcements_pending.clone(),
+        );
+        registry.register(
+            "announcements_rested",
+            "Key announcements skipped in a round because the key's storing nodes already held 20 other providers for it",
+            announcements_rested.clone(),
         );
         registry.register(
             "store_lookups",
@@ -368,6 +375,7 @@ impl Metrics {
             peers_connected,
             keys_advertised,
             announcements_pending,
+            announcements_rested,
             lookups,
             containerd_up,
             hosts_config_written,

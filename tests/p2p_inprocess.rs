@@ -1,7 +1,7 @@
 //! Real libp2p on loopback, several nodes in one process: the DHT finds providers, forgets
 //! withdrawn ones when their records expire, keeps re-provided ones, announces many keys a
-//! few at a time (all found), survives a restart with the same identity, and answers a lookup
-//! for a key nobody has within a bound.
+//! few at a time (all found), rests a key whose storing nodes are full, survives a restart
+//! with the same identity, and answers a lookup for a key nobody has within a bound.
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use ferry::metrics::{DhtLabels, Metrics};
 use ferry::problems::Problems;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
-use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming};
+use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use ferry::routing::{Peer, Router};
 use ferry::trust::ClusterSecret;
 use tokio::task::JoinHandle;
@@ -23,6 +23,7 @@ const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 const TIMING: ProvideTiming = ProvideTiming {
     ttl: Duration::from_secs(3),
     interval: Duration::from_secs(1),
+    replicas: REPLICAS,
 };
 /// Bound for anything eventually true; generous for a loaded CI machine.
 const EVENTUALLY: Duration = Duration::from_secs(20);
@@ -61,13 +62,24 @@ fn start_with_key(
     bootstrap: &[SocketAddr],
     psk: Option<[u8; 32]>,
 ) -> Node {
+    start_with(data_dir, p2p, http, bootstrap, psk, TIMING)
+}
+
+fn start_with(
+    data_dir: &std::path::Path,
+    p2p: SocketAddr,
+    http: SocketAddr,
+    bootstrap: &[SocketAddr],
+    psk: Option<[u8; 32]>,
+    timing: ProvideTiming,
+) -> Node {
     let config = P2pConfig {
         psk,
         data_dir: data_dir.to_path_buf(),
         listen: p2p,
         advertise: Some(LOOPBACK),
         peer_http_addr: http,
-        timing: TIMING,
+        timing,
         simulated_latency: None,
     };
     let addrs = bootstrap
@@ -104,21 +116,17 @@ async fn stop(node: Node) -> (std::path::PathBuf, SocketAddr, SocketAddr) {
 
 /// `n` nodes, all bootstrapped from the first, connected.
 async fn cluster(tmp: &std::path::Path, n: usize) -> Vec<Node> {
+    cluster_with(tmp, n, TIMING).await
+}
+
+async fn cluster_with(tmp: &std::path::Path, n: usize, timing: ProvideTiming) -> Vec<Node> {
     let seed = SocketAddr::new(LOOPBACK, free_port());
-    let mut nodes = vec![start(
-        &tmp.join("n0"),
-        seed,
-        SocketAddr::new(LOOPBACK, free_port()),
-        &[],
-    )];
+    let http = || SocketAddr::new(LOOPBACK, free_port());
+    let mut nodes = vec![start_with(&tmp.join("n0"), seed, http(), &[], None, timing)];
     for i in 1..n {
         let p2p = SocketAddr::new(LOOPBACK, free_port());
-        nodes.push(start(
-            &tmp.join(format!("n{i}")),
-            p2p,
-            SocketAddr::new(LOOPBACK, free_port()),
-            &[seed],
-        ));
+        let dir = tmp.join(format!("n{i}"));
+        nodes.push(start_with(&dir, p2p, http(), &[seed], None, timing));
     }
     eventually("every node connected", || {
         let all = nodes.iter().all(|n| n.router.connected_peers() > 0);
@@ -254,6 +262,61 @@ async fn many_keys_are_announced_in_one_batch_per_node_and_all_found() {
         "{} batches in {rounds:.0} rounds",
         received("provide_batch")
     );
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+/// More nodes than a key's 20 provider slots all hold one key: its storing nodes are full, the
+/// nodes left out rest the key for a round or two instead of sending it every round, and the
+/// key (and every node's own key) stays findable from every node through rounds and expiries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Each key stored on 4 nodes (Ferry: 20): a storing node holds its own record and 3 of
+    // the other 11, it refuses 8, so a node left out is refused by about 3 of its 4 (a key
+    // rests at 2). The same proportions as 20 of 60 nodes, in a dozen.
+    let timing = ProvideTiming {
+        replicas: 4,
+        ..TIMING
+    };
+    let nodes = cluster_with(tmp.path(), 12, timing).await;
+    let shared = "sha256:5555555555555555555555555555555555555555555555555555555555555555";
+    let own = |i: usize| format!("sha256:{i:064x}");
+    for (i, n) in nodes.iter().enumerate() {
+        n.router
+            .advertise(vec![shared.to_string(), own(i)])
+            .await
+            .unwrap();
+    }
+    let rested = || -> u64 {
+        nodes
+            .iter()
+            .map(|n| n.metrics.announcements_rested.get())
+            .sum()
+    };
+    eventually("a node left out of the full key rests it", || {
+        let r = rested();
+        async move { r > 0 }
+    })
+    .await;
+    // A record lifetime and more later, with nodes resting all along.
+    tokio::time::sleep(timing.ttl + timing.interval).await;
+    for (i, asker) in nodes.iter().enumerate().step_by(5) {
+        eventually("the shared key is found", || async {
+            !providers(&asker.router, shared).await.is_empty()
+        })
+        .await;
+        let other = (i + 7) % nodes.len();
+        eventually("another node's own key is found", || async {
+            providers(&asker.router, &own(other))
+                .await
+                .iter()
+                .any(|p| p.addr == nodes[other].http)
+        })
+        .await;
+    }
+    assert!(rested() > 0);
     for n in nodes {
         stop(n).await;
     }

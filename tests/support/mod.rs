@@ -17,6 +17,10 @@ use std::time::{Duration, Instant};
 
 /// How long a freshly started daemon may take to answer before the test fails.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// containerd's start, measured: under a second when idle, but CI once saw it take over 20 s
+/// while the other test thread held thousands of connections on the 2 shared cores. A daemon
+/// that dies is reported at once, so the long bound only costs time when it is merely slow.
+const CONTAINERD_START_TIMEOUT: Duration = Duration::from_secs(90);
 const POLL: Duration = Duration::from_millis(20);
 
 pub const INSTALL_HINT: &str =
@@ -240,7 +244,20 @@ state = "{d}/state"
         cmd.arg("--config").arg(&self.config);
         self.proc = Proc::spawn(cmd, self.dir.join("containerd.log"));
         let socket = self.socket.clone();
-        wait_for("containerd to answer", || ctr_ok(&socket, &["version"]));
+        let start = Instant::now();
+        while !ctr_ok(&socket, &["version"]) {
+            assert!(
+                self.proc.is_running(),
+                "containerd exited at start; its log:\n{}",
+                self.proc.log_text()
+            );
+            assert!(
+                start.elapsed() < CONTAINERD_START_TIMEOUT,
+                "containerd did not answer within {CONTAINERD_START_TIMEOUT:?}; its log:\n{}",
+                self.proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     pub fn stop(&mut self) {

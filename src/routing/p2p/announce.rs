@@ -41,10 +41,14 @@ pub struct ProvideBatch {
     pub addrs: Vec<String>,
 }
 
-/// The answer: how many records the receiver stored (it may refuse some when full).
+/// The answer: how many records the receiver stored (it may refuse some when full), and
+/// which keys (positions in the request) it dropped because they already have their 20
+/// providers without the sender (`rest.rs`). Absent from an older Ferry's answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ProvideAck {
     pub stored: u32,
+    #[serde(default)]
+    pub full: Vec<u32>,
 }
 
 pub(crate) fn key_hash(key: &str) -> Hash {

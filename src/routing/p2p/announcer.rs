@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use libp2p::kad::store::RecordStore;
-use libp2p::kad::{K_VALUE, PeerInfo, ProviderRecord, QueryId, RecordKey};
+use libp2p::kad::{PeerInfo, ProviderRecord, QueryId, RecordKey};
 use libp2p::request_response::{self, OutboundRequestId};
 use libp2p::{Multiaddr, PeerId, Swarm};
 
@@ -17,6 +17,7 @@ use super::announce::{
     Hash, MAX_ADDRESSES, MAX_KEY_LEN, MAX_KEYS_PER_BATCH, Pending, ProvideAck, ProvideBatch,
 };
 use super::behaviour::{Behaviour, ProvideTiming};
+use super::rest::Resting;
 use crate::metrics::{DhtLabels, Metrics};
 
 /// Walks in flight at once: enough to cover a round's regions quickly, few enough that a
@@ -24,8 +25,6 @@ use crate::metrics::{DhtLabels, Metrics};
 const MAX_WALKS_IN_FLIGHT: usize = 4;
 /// Batch requests in flight at once.
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
-/// Each key is stored on this many nodes (Kademlia's replication factor).
-const REPLICAS: usize = K_VALUE.get();
 /// A walk that found nobody (connected, but no peer in the routing table yet) is tried again
 /// after this long, not at once: at once would be a busy loop of empty walks.
 const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
@@ -48,8 +47,11 @@ pub(crate) struct Announcer {
     /// Walks in flight, by the position they walk to.
     walks: HashMap<QueryId, Hash>,
     outbox: HashMap<PeerId, Outgoing>,
-    /// Batch requests in flight, with how many keys each carries.
-    batches: HashMap<OutboundRequestId, usize>,
+    /// Batch requests in flight, with the keys each carries (an answer names refused keys
+    /// by their position).
+    batches: HashMap<OutboundRequestId, Vec<Arc<str>>>,
+    /// Keys whose storing nodes are full without this node: skipped for a round or two.
+    resting: Resting,
     /// When every provided key is announced again: after 75-100% of the interval (drawn per
     /// round), so nodes started together drift apart and never announce in step, and always
     /// before the records' TTL runs out.
@@ -72,6 +74,7 @@ impl Announcer {
             walks: HashMap::new(),
             outbox: HashMap::new(),
             batches: HashMap::new(),
+            resting: Resting::new(timing.replicas),
             next_round,
             random,
             draws: 1,
@@ -110,6 +113,7 @@ impl Announcer {
         let kad = &mut swarm.behaviour_mut().kad;
         for key in keys {
             self.pending.remove(&key);
+            self.resting.forget(&key);
             kad.stop_providing(&RecordKey::new(&key));
             self.provided.remove(&key);
         }
@@ -119,9 +123,16 @@ impl Announcer {
     /// Starts a round when one is due, then whatever can start.
     pub fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
         if now >= self.next_round {
+            let mut rested = 0;
             for key in &self.provided {
-                self.pending.insert(key.clone());
+                if self.resting.announce(key) {
+                    self.pending.insert(key.clone());
+                } else {
+                    rested += 1;
+                }
             }
+            self.resting.round_started();
+            self.metrics.announcements_rested.inc_by(rested);
             self.next_round = now + round_wait(&self.timing, &self.random, self.draws);
             self.draws += 1;
         }
@@ -180,9 +191,10 @@ impl Announcer {
         // Fewer than asked for from a walk that converged: there are no others. A walk that
         // timed out says nothing of the rest (taking it for the whole network would put every
         // waiting key on the few nodes it reached).
-        let whole_network = complete && found.len() < REPLICAS;
+        let replicas = self.timing.replicas;
+        let whole_network = complete && found.len() < replicas;
         let ids: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
-        let plan = self.pending.plan(&target, &ids, whole_network, REPLICAS);
+        let plan = self.pending.plan(&target, &ids, whole_network, replicas);
         let mut addrs: HashMap<PeerId, Vec<Multiaddr>> =
             found.into_iter().map(|p| (p.peer_id, p.addrs)).collect();
         for (peer, keys) in plan {
@@ -220,7 +232,8 @@ impl Announcer {
                 break;
             };
             let n = out.keys.len().min(MAX_KEYS_PER_BATCH);
-            let keys: Vec<String> = out.keys.drain(..n).map(|k| k.to_string()).collect();
+            let sent: Vec<Arc<str>> = out.keys.drain(..n).collect();
+            let keys: Vec<String> = sent.iter().map(|k| k.to_string()).collect();
             let dial = out.addrs.clone();
             if out.keys.is_empty() {
                 self.outbox.remove(&peer);
@@ -233,7 +246,7 @@ impl Announcer {
                 .behaviour_mut()
                 .provide
                 .send_request_with_addresses(&peer, request, dial);
-            self.batches.insert(id, n);
+            self.batches.insert(id, sent);
         }
     }
 
@@ -254,18 +267,24 @@ impl Announcer {
                         kind: "provide_batch",
                     })
                     .inc();
-                let stored = self.store_batch(swarm, peer, request);
+                let ack = self.store_batch(swarm, peer, request);
                 // The asker may have given up (timeout, closed connection): nothing to do.
-                let _ = swarm
-                    .behaviour_mut()
-                    .provide
-                    .send_response(channel, ProvideAck { stored });
+                let _ = swarm.behaviour_mut().provide.send_response(channel, ack);
             }
             request_response::Event::Message {
-                message: request_response::Message::Response { request_id, .. },
+                message:
+                    request_response::Message::Response {
+                        request_id,
+                        response,
+                    },
                 ..
             } => {
-                self.batches.remove(&request_id);
+                if let Some(sent) = self.batches.remove(&request_id) {
+                    // Positions out of range (a confused peer) name nothing.
+                    for key in response.full.iter().filter_map(|&i| sent.get(i as usize)) {
+                        self.resting.refused(key, self.random.hash_one(key));
+                    }
+                }
                 self.progress(swarm);
             }
             request_response::Event::OutboundFailure {
@@ -286,33 +305,47 @@ impl Announcer {
         }
     }
 
-    /// Stores `peer`'s records. A batch out of bounds is refused whole: a Ferry never sends
-    /// one, so it is not a Ferry's.
-    fn store_batch(&self, swarm: &mut Swarm<Behaviour>, peer: PeerId, batch: ProvideBatch) -> u32 {
+    /// Stores `peer`'s records and says which keys were full without it. A batch out of
+    /// bounds is refused whole: a Ferry never sends one, so it is not a Ferry's.
+    fn store_batch(
+        &self,
+        swarm: &mut Swarm<Behaviour>,
+        peer: PeerId,
+        batch: ProvideBatch,
+    ) -> ProvideAck {
+        let mut ack = ProvideAck {
+            stored: 0,
+            full: Vec::new(),
+        };
         if batch.keys.len() > MAX_KEYS_PER_BATCH
             || batch.addrs.len() > MAX_ADDRESSES
             || batch.keys.iter().any(|k| k.len() > MAX_KEY_LEN)
         {
             tracing::debug!(%peer, keys = batch.keys.len(), "provider batch out of bounds; refused");
-            return 0;
+            return ack;
         }
         let addrs: Vec<Multiaddr> = batch.addrs.iter().filter_map(|a| a.parse().ok()).collect();
-        let expires = Instant::now() + self.timing.ttl;
+        let now = Instant::now();
+        let expires = now + self.timing.ttl;
         let store = swarm.behaviour_mut().kad.store_mut();
-        let mut stored = 0;
-        for key in batch.keys {
-            let mut record = ProviderRecord::new(RecordKey::new(&key), peer, addrs.clone());
+        for (i, key) in batch.keys.into_iter().enumerate() {
+            let key = RecordKey::new(&key);
+            if store.crowded(key.as_ref(), &peer, now) {
+                ack.full.push(i as u32);
+                continue;
+            }
+            let mut record = ProviderRecord::new(key, peer, addrs.clone());
             record.expires = Some(expires);
             if store.add_provider(record).is_ok() {
-                stored += 1;
+                ack.stored += 1;
             }
         }
-        stored
+        ack
     }
 
     fn update_gauge(&self) {
         let planned: usize = self.outbox.values().map(|o| o.keys.len()).sum();
-        let sending: usize = self.batches.values().sum();
+        let sending: usize = self.batches.values().map(Vec::len).sum();
         let n = self.pending.len() + planned + sending;
         self.metrics.announcements_pending.set(n as i64);
     }

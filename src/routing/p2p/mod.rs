@@ -7,6 +7,7 @@ mod behaviour;
 mod delay;
 mod event_loop;
 pub mod identity;
+mod rest;
 mod store;
 
 use std::net::{IpAddr, SocketAddr};
@@ -25,7 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use behaviour::{ProvideTiming, agent_version, peer_addr_of};
+pub use behaviour::{ProvideTiming, REPLICAS, agent_version, peer_addr_of};
 
 use super::bootstrap::{Bootstrap, tcp_multiaddr};
 use super::{Peer, PeerStream, Router, RouterError};

@@ -39,6 +39,8 @@ struct Provider {
 pub struct ProviderStore {
     local: PeerId,
     max_keys: usize,
+    /// Providers kept per key (Kademlia's k).
+    slots: usize,
     providers: HashMap<Box<[u8]>, Vec<Slot>>,
     peers: Vec<Option<Provider>>,
     numbers: HashMap<PeerId, u32>,
@@ -51,11 +53,18 @@ impl ProviderStore {
         ProviderStore {
             local,
             max_keys,
+            slots: K_VALUE.get(),
             providers: HashMap::new(),
             peers: Vec::new(),
             numbers: HashMap::new(),
             free: Vec::new(),
         }
+    }
+
+    /// Keeps at most `slots` providers per key instead of Kademlia's default 20 (at least 1).
+    pub fn with_slots(mut self, slots: usize) -> Self {
+        self.slots = slots.max(1);
+        self
     }
 
     /// Forgets other nodes' records whose time is up, and keys left with none; returns how
@@ -196,15 +205,28 @@ impl RecordStore for ProviderStore {
             known.expires = record.expires;
             return Ok(());
         }
-        if slots.len() >= K_VALUE.get() {
-            // Enough providers for this key; a provider registered just for it goes again.
-            self.release_if_unused(n);
-            return Ok(());
-        }
-        slots.push(Slot {
+        let slot = Slot {
             provider: n,
             expires: record.expires,
-        });
+        };
+        if slots.len() >= self.slots {
+            // Enough providers for this key. One whose time is up makes way (the timer that
+            // expires records may not have run yet); otherwise a provider registered just
+            // for this record goes again.
+            let now = Instant::now();
+            if let Some(old) = slots
+                .iter_mut()
+                .find(|s| s.expires.is_some_and(|t| t <= now))
+            {
+                let gone = std::mem::replace(old, slot).provider;
+                self.retain(n);
+                self.release(gone);
+            } else {
+                self.release_if_unused(n);
+            }
+            return Ok(());
+        }
+        slots.push(slot);
         self.retain(n);
         Ok(())
     }
@@ -257,6 +279,20 @@ impl RecordStore for ProviderStore {
 }
 
 impl ProviderStore {
+    /// Would a record of `provider` for `key` be dropped because the key already has its 20
+    /// providers, all with time left, and `provider` is not one of them? The announcer of
+    /// such a key can rest it (`rest.rs`).
+    pub fn crowded(&self, key: &[u8], provider: &PeerId, now: Instant) -> bool {
+        let Some(slots) = self.providers.get(key) else {
+            return false;
+        };
+        let n = self.number_of(provider);
+        slots.len() >= self.slots
+            && slots
+                .iter()
+                .all(|s| Some(s.provider) != n && s.expires.is_none_or(|t| t > now))
+    }
+
     /// A provider registered for a record that was then not kept.
     fn release_if_unused(&mut self, n: u32) {
         if let Some(Some(p)) = self.peers.get(n as usize)
@@ -305,6 +341,43 @@ mod tests {
         store.remove_provider(&key, &other);
         assert!(store.providers(&key).is_empty());
         assert!(store.providers.is_empty(), "an empty key is dropped");
+    }
+
+    #[test]
+    fn a_full_key_is_crowded_for_newcomers_not_for_its_providers_and_an_expired_one_makes_way() {
+        let mut store = ProviderStore::new(PeerId::random(), 10);
+        let key = RecordKey::new(&"sha256:shared");
+        let now = Instant::now();
+        let held: Vec<PeerId> = (0..K_VALUE.get()).map(|_| PeerId::random()).collect();
+        for (i, p) in held.iter().enumerate() {
+            let mut r = record("sha256:shared", *p);
+            // The first one's time is up.
+            r.expires = Some(if i == 0 {
+                now
+            } else {
+                now + Duration::from_secs(60)
+            });
+            store.add_provider(r).unwrap();
+        }
+        let newcomer = PeerId::random();
+        assert!(
+            !store.crowded(key.as_ref(), &newcomer, now),
+            "a record with no time left does not count"
+        );
+        let mut r = record("sha256:shared", newcomer);
+        r.expires = Some(now + Duration::from_secs(60));
+        store.add_provider(r).unwrap();
+        let providers: Vec<PeerId> = store.providers(&key).iter().map(|r| r.provider).collect();
+        assert_eq!(providers.len(), K_VALUE.get());
+        assert!(providers.contains(&newcomer) && !providers.contains(&held[0]));
+        assert!(store.crowded(key.as_ref(), &PeerId::random(), now));
+        assert!(
+            !store.crowded(key.as_ref(), &held[1], now),
+            "a held provider's refresh is stored, never refused"
+        );
+        assert!(!store.crowded(RecordKey::new(&"other").as_ref(), &newcomer, now));
+        // The provider that made way is forgotten with its last record.
+        assert!(!store.numbers.contains_key(&held[0]));
     }
 
     #[test]

@@ -1,0 +1,126 @@
+//! Keys that need not be announced this round: their storing nodes already hold a full set of
+//! providers that does not include this node.
+//!
+//! A storing node keeps at most 20 providers per key. A key every node holds (most of a
+//! cluster's layers) is sent to its 20 storing nodes by every node, every round, and all but
+//! 20 of those records are dropped on arrival: in the scale simulation 80% of a round's bytes.
+//! A storing node says which keys it refused as full (`ProvideAck::full`); a key refused by
+//! most of the nodes it went to rests for one or two rounds (drawn per key). The key stays
+//! findable through the 20 records that are held; a held provider that leaves frees its slot
+//! when its record expires, and the resting nodes come back within two rounds to fill it. A
+//! node never rests a key it is itself a held provider of: a storing node that holds this
+//! node's record stores the refresh, it does not refuse it. New keys are never resting.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+#[derive(Debug)]
+pub(crate) struct Resting {
+    /// A key rests when at least this many of its storing nodes refused it as full in one
+    /// round: half of the nodes it is sent to (10 of 20), as a few full nodes alone say
+    /// little about the rest.
+    to_rest: u8,
+    /// Refusals seen since the current round began.
+    refusals: HashMap<Arc<str>, u8>,
+    /// Keys skipped at the next round starts, with how many rounds they still skip.
+    rounds_left: HashMap<Arc<str>, u8>,
+}
+
+impl Resting {
+    /// For keys stored on `replicas` nodes each.
+    pub fn new(replicas: usize) -> Self {
+        Resting {
+            to_rest: (replicas / 2).clamp(1, u8::MAX as usize) as u8,
+            refusals: HashMap::new(),
+            rounds_left: HashMap::new(),
+        }
+    }
+
+    /// A storing node refused `key` as full. `draw` picks one or two rounds of rest.
+    pub fn refused(&mut self, key: &Arc<str>, draw: u64) {
+        let n = self.refusals.entry(key.clone()).or_default();
+        *n = n.saturating_add(1);
+        if *n == self.to_rest {
+            self.rounds_left.insert(key.clone(), 1 + (draw % 2) as u8);
+        }
+    }
+
+    /// A round begins: true for a key to announce in it, false for one that rests. Call
+    /// [`Resting::round_started`] once after asking for every key.
+    pub fn announce(&self, key: &str) -> bool {
+        !self.rounds_left.contains_key(key)
+    }
+
+    /// Counts the round down for every resting key and starts counting refusals afresh.
+    pub fn round_started(&mut self) {
+        self.rounds_left.retain(|_, n| {
+            *n -= 1;
+            *n > 0
+        });
+        self.refusals.clear();
+    }
+
+    /// This node stopped providing `key`.
+    pub fn forget(&mut self, key: &str) {
+        self.refusals.remove(key);
+        self.rounds_left.remove(key);
+    }
+
+    /// Keys resting now.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.rounds_left.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(s: &str) -> Arc<str> {
+        Arc::from(s)
+    }
+
+    #[test]
+    fn a_key_refused_by_most_of_its_nodes_rests_one_or_two_rounds_then_comes_back() {
+        for draw in [0u64, 1] {
+            let mut r = Resting::new(20);
+            let k = key("sha256:shared");
+            for _ in 0..10 - 1 {
+                r.refused(&k, draw);
+            }
+            assert!(r.announce(&k), "a few full nodes are not enough");
+            r.refused(&k, draw);
+            assert!(!r.announce(&k), "refused by half of its 20 nodes: rests");
+            let mut rested = 0;
+            loop {
+                let announced = r.announce(&k);
+                r.round_started();
+                if announced {
+                    break;
+                }
+                rested += 1;
+            }
+            assert_eq!(rested, 1 + draw as usize, "one or two rounds, as drawn");
+            assert_eq!(r.len(), 0);
+        }
+    }
+
+    #[test]
+    fn refusals_count_per_round_and_a_withdrawn_key_is_forgotten() {
+        let mut r = Resting::new(20);
+        let k = key("sha256:a");
+        for _ in 0..10 - 1 {
+            r.refused(&k, 0);
+        }
+        r.round_started();
+        r.refused(&k, 0);
+        assert!(r.announce(&k), "refusals of earlier rounds do not add up");
+        for _ in 0..10 {
+            r.refused(&k, 0);
+        }
+        assert!(!r.announce(&k));
+        r.forget(&k);
+        assert!(r.announce(&k) && r.len() == 0);
+    }
+}
