@@ -366,6 +366,8 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let per_round = received / n as f64 / (secs / mean_round);
     let msgs_default = per_round / (0.875 * DEFAULT_INTERVAL_S);
     let bytes_per_round = (bytes_after - bytes_before) as f64 / n as f64 / (secs / mean_round);
+    let rested_per_round =
+        (sum(&after, "rested") - sum(&before, "rested")) / n as f64 / (secs / mean_round);
     let rss_mib = sum(&after, "rss_kib") / 1024.0 / n as f64;
     let connections = sum(&after, "connections") / n as f64;
 
@@ -416,6 +418,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "notfound_ms_p99": round3(percentile(&absent_ms, 0.99)),
         "announce_msgs_per_node_per_s": round3(msgs_default),
         "announce_msgs_per_node_per_round": round3(per_round),
+        "keys_rested_per_node_per_round": round3(rested_per_round),
         "announce_bytes_per_node_per_round": bytes_per_round.round(),
         "steady_window_s": secs,
         "sim_interval_s": opts.interval_s,
@@ -581,8 +584,10 @@ fn stats(nodes: &Nodes) -> Value {
     let mut requests = 0u64;
     let mut connections = 0usize;
     let mut alone = 0usize;
+    let mut rested = 0u64;
     for n in nodes.values() {
         pending += n.metrics.announcements_pending.get();
+        rested += n.metrics.announcements_rested.get();
         for kind in DHT_REQUEST_KINDS {
             requests += n
                 .metrics
@@ -599,6 +604,7 @@ fn stats(nodes: &Nodes) -> Value {
         "dht_requests": requests,
         "connections": connections,
         "alone": alone,
+        "rested": rested,
         "rss_kib": rss_kib(),
     })
 }

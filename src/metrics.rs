@@ -156,6 +156,7 @@ pub struct Metrics {
     pub peer_auth_failures: Family<ReasonLabels, Counter>,
     pub peers_connected: Gauge,
     pub keys_advertised: Gauge,
+    pub sync_images_walked: Family<ReasonLabels, Counter>,
     pub announcements_pending: Gauge,
     pub announcements_rested: Counter,
     pub lookups: Family<LookupLabels, Counter>,
@@ -204,6 +205,7 @@ impl Metrics {
         let peer_auth_failures = Family::<ReasonLabels, Counter>::default();
         let peers_connected = Gauge::default();
         let keys_advertised = Gauge::default();
+        let sync_images_walked = Family::<ReasonLabels, Counter>::default();
         let announcements_pending = Gauge::default();
         let announcements_rested = Counter::default();
         let lookups = Family::<LookupLabels, Counter>::default();
@@ -265,6 +267,11 @@ impl Metrics {
             "keys_advertised",
             "Digests and tags this node announces in the DHT",
             keys_advertised.clone(),
+        );
+        registry.register(
+            "sync_images_walked",
+            "Images whose content was walked to find what this node serves, by reason: full (at start and on the re-announcement timer) or change (a store event touched them)",
+            sync_images_walked.clone(),
         );
         registry.register(
             "announcements_pending",
@@ -374,6 +381,7 @@ impl Metrics {
             peer_auth_failures,
             peers_connected,
             keys_advertised,
+            sync_images_walked,
             announcements_pending,
             announcements_rested,
             lookups,

@@ -240,6 +240,29 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
         .pull("k8s.io", &reference, &node3.containerd.hosts_dir);
     assert_eq!(node3.image_digest(&reference), image.manifest);
 
+    // A blob deleted on node 2 (by hand here, by garbage collection in life) is withdrawn on
+    // its event alone: node 2 walks the one image that had it, not its whole store.
+    let walked = |reason: &str| {
+        node2.metric(&format!(
+            "ferry_sync_images_walked_total{{reason=\"{reason}\"}}"
+        ))
+    };
+    let (full, change) = (walked("full"), walked("change"));
+    assert!(
+        change >= 1,
+        "node 2's pull was walked on its event: {}",
+        node2.metrics()
+    );
+    let keys = node2.metric("ferry_keys_advertised");
+    node2
+        .containerd
+        .ctr(&["-n", "k8s.io", "content", "rm", &image.layers[0]]);
+    wait_for("node 2 withdraws the deleted layer", || {
+        node2.metric("ferry_keys_advertised") == keys - 1
+    });
+    assert!(walked("change") > change);
+    assert_eq!(walked("full"), full, "no whole-store walk for it");
+
     drop(node3);
     drop(node2);
     drop(node1);

@@ -1,11 +1,15 @@
 //! Store -> router: advertise every key this node can serve, withdraw what it no longer can.
 //!
-//! One task owns the set of advertised keys. It reconciles the whole set against the store on
-//! start, after every change notification (debounced: a pull is a burst of events), and on a
-//! timer as a safety net; containerd going away ends the notifications, and the task
-//! reconnects with backoff and reconciles again.
+//! One task owns what is advertised, image by image. At start and on a slow timer (the
+//! re-announcement interval) it walks every image: the safety net. A change in the store (a
+//! burst of containerd events, debounced) costs what changed: one call listing the image
+//! records, then a walk of only the images that are new, point somewhere new, or lost a blob
+//! that was just deleted; a deleted image drops its keys without any call. (On a node with
+//! 2,500 images the whole walk is about 12,500 calls; a pull re-walks only its image.)
+//! containerd going away ends the notifications, and the task reconnects with backoff and
+//! walks everything again.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,14 +19,14 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{Router, digest_key, tag_key};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ReasonLabels};
 use crate::oci::Digest;
 use crate::oci::manifest::MAX_MANIFEST_BYTES;
 use crate::oci::registry::{Registries, RegistryFilters};
-use crate::store::{ContentStore, ImageRecord};
+use crate::store::{Change, ContentStore, ImageRecord};
 
 /// Events arrive in bursts (one pull creates content, then the image); wait this long for the
-/// burst to end before walking the store.
+/// burst to end before looking.
 const DEBOUNCE: Duration = Duration::from_millis(200);
 const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(10);
@@ -61,14 +65,14 @@ pub async fn run(
     exposed: watch::Sender<Exposed>,
     token: CancellationToken,
 ) {
-    let sync = Sync {
+    let mut sync = Sync {
         store: &*store,
         router: &*router,
         config: &config,
         metrics: &metrics,
         exposed: &exposed,
+        advertised: Advertised::default(),
     };
-    let mut advertised = BTreeSet::new();
     let mut retry = RETRY_MIN;
     let mut unreachable_since: Option<std::time::Instant> = None;
     loop {
@@ -85,12 +89,12 @@ pub async fn run(
         // Reachable means the store can be listed: following its events can fail on its own
         // (a subscription timing out on a loaded node) while everything else works, and that
         // must not withdraw anything.
-        if sync.reconcile(&mut advertised).await {
+        if sync.reconcile(None).await {
             unreachable_since = None;
         } else {
             let since = *unreachable_since.get_or_insert_with(std::time::Instant::now);
             if since.elapsed() >= WITHDRAW_GRACE {
-                sync.withdraw_all(&mut advertised).await;
+                sync.withdraw_all().await;
             }
         }
         let Some(mut changes) = changes else {
@@ -107,20 +111,121 @@ pub async fn run(
             tokio::select! {
                 _ = token.cancelled() => return,
                 _ = tick.tick() => {
-                    sync.reconcile(&mut advertised).await;
+                    sync.reconcile(None).await;
                 }
                 event = changes.next() => {
-                    if event.is_none() {
+                    let Some(first) = event else {
                         tracing::debug!("store events ended; reconnecting");
                         break;
-                    }
-                    // Let the burst finish, then walk once.
+                    };
+                    // Let the burst finish, then look once.
+                    let mut burst = Burst::default();
+                    burst.add(first);
                     let _ = tokio::time::timeout(DEBOUNCE, async {
-                        while changes.next().await.is_some() {}
+                        while let Some(change) = changes.next().await {
+                            burst.add(change);
+                        }
                     })
                     .await;
-                    sync.reconcile(&mut advertised).await;
+                    if burst.everything {
+                        sync.reconcile(None).await;
+                    } else {
+                        sync.reconcile(Some(&burst)).await;
+                    }
                 }
+            }
+        }
+    }
+}
+
+/// What a burst of events said changed.
+#[derive(Debug, Default)]
+struct Burst {
+    /// Events were missed or unreadable: look at everything.
+    everything: bool,
+    /// Content deleted: images that had it lose it.
+    deleted: BTreeSet<String>,
+}
+
+impl Burst {
+    fn add(&mut self, change: Change) {
+        match change {
+            // Which images: the image list says (new names, new targets, names gone).
+            Change::Images => {}
+            Change::ContentDeleted(digest) => {
+                self.deleted.insert(digest_key(&digest));
+            }
+            Change::Unknown => self.everything = true,
+        }
+    }
+}
+
+/// What this node advertises, image by image.
+#[derive(Debug, Default)]
+struct Advertised {
+    images: HashMap<String, Walked>,
+    /// Every advertised key, with how many images give it.
+    keys: BTreeMap<String, usize>,
+}
+
+/// One image as last walked: the target it pointed at then, and the keys it gives.
+#[derive(Debug)]
+struct Walked {
+    target: Digest,
+    keys: BTreeSet<String>,
+}
+
+/// Keys that start or stop being advertised.
+#[derive(Debug, Default)]
+struct Diff {
+    added: BTreeSet<String>,
+    removed: BTreeSet<String>,
+}
+
+impl Advertised {
+    /// Replaces what `name` gives (`None`: the image is gone).
+    fn set(&mut self, name: &str, walked: Option<Walked>, diff: &mut Diff) {
+        if let Some(old) = self.images.remove(name) {
+            for key in old.keys {
+                self.release(key, diff);
+            }
+        }
+        if let Some(walked) = walked {
+            for key in &walked.keys {
+                self.retain(key, diff);
+            }
+            self.images.insert(name.to_string(), walked);
+        }
+    }
+
+    fn retain(&mut self, key: &str, diff: &mut Diff) {
+        let n = self.keys.entry(key.to_string()).or_default();
+        *n += 1;
+        if *n == 1 && !diff.removed.remove(key) {
+            diff.added.insert(key.to_string());
+        }
+    }
+
+    fn release(&mut self, key: String, diff: &mut Diff) {
+        let Some(n) = self.keys.get_mut(&key) else {
+            return;
+        };
+        *n -= 1;
+        if *n == 0 {
+            self.keys.remove(&key);
+            if !diff.added.remove(&key) {
+                diff.removed.insert(key);
+            }
+        }
+    }
+
+    /// Is this image's last walk out of date after `burst`?
+    fn stale(&self, image: &ImageRecord, burst: &Burst) -> bool {
+        match self.images.get(&image.name) {
+            None => true,
+            Some(w) => {
+                w.target != image.target.digest
+                    || burst.deleted.iter().any(|key| w.keys.contains(key))
             }
         }
     }
@@ -132,59 +237,102 @@ struct Sync<'a> {
     config: &'a SyncConfig,
     metrics: &'a Metrics,
     exposed: &'a watch::Sender<Exposed>,
+    advertised: Advertised,
 }
 
 impl Sync<'_> {
-    /// Makes the router's view match the store: advertise new keys, withdraw gone ones. If the
-    /// store cannot be listed (containerd down), nothing changes and this says so (`false`).
-    async fn reconcile(&self, advertised: &mut BTreeSet<String>) -> bool {
+    /// Makes the router's view match the store: advertise new keys, withdraw gone ones. With
+    /// a `burst`, only the images it may have changed are walked; without, all of them. If
+    /// the store cannot be listed (containerd down), nothing changes and this says so
+    /// (`false`).
+    async fn reconcile(&mut self, burst: Option<&Burst>) -> bool {
         let Ok(images) = self.store.images().await else {
             return false;
         };
-        let keys = inventory(
-            self.store,
-            &images,
-            &self.config.registries,
-            &self.config.filters,
-        )
-        .await;
-        let added: Vec<String> = keys.difference(advertised).cloned().collect();
-        let removed: Vec<String> = advertised.difference(&keys).cloned().collect();
+        let mut diff = Diff::default();
+        let listed: BTreeSet<&str> = images.iter().map(|i| i.name.as_str()).collect();
+        let gone: Vec<String> = (self.advertised.images.keys())
+            .filter(|name| !listed.contains(name.as_str()))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.advertised.set(&name, None, &mut diff);
+        }
+        let mut walker = Walker::new(self.store);
+        let mut walked = 0;
+        for image in &images {
+            if burst.is_some_and(|b| !self.advertised.stale(image, b)) {
+                continue;
+            }
+            let keys = image_keys(
+                &mut walker,
+                image,
+                &self.config.registries,
+                &self.config.filters,
+            )
+            .await;
+            let target = image.target.digest.clone();
+            let w = Walked { target, keys };
+            self.advertised.set(&image.name, Some(w), &mut diff);
+            walked += 1;
+        }
+        let reason = if burst.is_some() { "change" } else { "full" };
+        self.metrics
+            .sync_images_walked
+            .get_or_create(&ReasonLabels { reason })
+            .inc_by(walked);
+        self.apply(diff).await;
+        true
+    }
+
+    async fn apply(&self, diff: Diff) {
+        let count = self.advertised.keys.len() as i64;
+        self.metrics.keys_advertised.set(count);
+        if diff.added.is_empty() && diff.removed.is_empty() {
+            return;
+        }
         // Withdrawn keys stop being served before anything else happens.
-        self.exposed.send_replace(Arc::new(keys.clone()));
-        if !removed.is_empty() {
-            tracing::debug!(count = removed.len(), "withdrawing keys");
-            if let Err(e) = self.router.withdraw(removed).await {
+        let keys: BTreeSet<String> = self.advertised.keys.keys().cloned().collect();
+        self.exposed.send_replace(Arc::new(keys));
+        if !diff.removed.is_empty() {
+            tracing::debug!(count = diff.removed.len(), "withdrawing keys");
+            if let Err(e) = self
+                .router
+                .withdraw(diff.removed.into_iter().collect())
+                .await
+            {
                 tracing::warn!(error = %e, "withdraw failed");
             }
         }
-        if !added.is_empty() {
-            tracing::debug!(count = added.len(), "advertising keys");
-            if let Err(e) = self.router.advertise(added).await {
+        if !diff.added.is_empty() {
+            tracing::debug!(count = diff.added.len(), "advertising keys");
+            if let Err(e) = self
+                .router
+                .advertise(diff.added.into_iter().collect())
+                .await
+            {
                 tracing::warn!(error = %e, "advertise failed");
             }
         }
-        *advertised = keys;
-        self.metrics.keys_advertised.set(advertised.len() as i64);
-        true
     }
-}
 
-impl Sync<'_> {
     /// containerd has been unreachable for [`WITHDRAW_GRACE`]: stop serving and advertising
     /// everything (the reconcile after it is back advertises it again). Records other nodes
     /// already hold expire on their own; until then this node answers them 404 at once.
-    async fn withdraw_all(&self, advertised: &mut BTreeSet<String>) {
-        if advertised.is_empty() {
+    async fn withdraw_all(&mut self) {
+        if self.advertised.keys.is_empty() {
             return;
         }
         tracing::warn!(
-            count = advertised.len(),
+            count = self.advertised.keys.len(),
             grace_s = WITHDRAW_GRACE.as_secs(),
             "containerd unreachable: withdrawing what this node advertised until it is back"
         );
         self.exposed.send_replace(Arc::new(BTreeSet::new()));
-        let all: Vec<String> = std::mem::take(advertised).into_iter().collect();
+        let all: Vec<String> = std::mem::take(&mut self.advertised)
+            .keys
+            .into_keys()
+            .collect();
         if let Err(e) = self.router.withdraw(all).await {
             tracing::warn!(error = %e, "withdraw failed");
         }
@@ -200,62 +348,107 @@ pub async fn inventory(
     registries: &Registries,
     filters: &RegistryFilters,
 ) -> BTreeSet<String> {
+    let mut walker = Walker::new(store);
     let mut keys = BTreeSet::new();
-    let mut visited = BTreeSet::new();
     for image in images {
-        let Some(name) = ImageName::parse(&image.name) else {
-            continue;
-        };
-        let shown = image
-            .name
-            .split_once('@')
-            .map_or(image.name.as_str(), |(n, _)| n);
-        if !registries.includes(&name.registry) || !filters.allows(shown) {
-            continue;
-        }
-        let mut present = walk(store, &image.target.digest, &mut visited, &mut keys).await;
-        if let (Some(tag), true) = (&name.tag, present.remove(&image.target.digest)) {
-            keys.insert(tag_key(&name.registry, &name.repository, tag));
-        }
+        keys.extend(image_keys(&mut walker, image, registries, filters).await);
     }
     keys
 }
 
-/// Adds every present digest reachable from `root` to `keys`; returns the ones found now.
-async fn walk(
-    store: &dyn ContentStore,
-    root: &Digest,
-    visited: &mut BTreeSet<Digest>,
-    keys: &mut BTreeSet<String>,
-) -> BTreeSet<Digest> {
-    let mut present = BTreeSet::new();
-    let mut manifests = vec![root.clone()];
-    while let Some(digest) = manifests.pop() {
-        if !visited.insert(digest.clone()) {
-            if keys.contains(&digest_key(&digest)) {
-                present.insert(digest);
-            }
-            continue;
-        }
-        let Ok(desc) = store.descriptor(&digest).await else {
-            continue;
-        };
-        keys.insert(digest_key(&digest));
-        present.insert(digest.clone());
-        if desc.size > MAX_MANIFEST_BYTES {
-            continue;
-        }
-        let Some(children) = read_children(store, &digest).await else {
-            continue;
-        };
-        manifests.extend(children.manifests);
-        for blob in children.blobs {
-            if visited.insert(blob.clone()) && store.descriptor(&blob).await.is_ok() {
-                keys.insert(digest_key(&blob));
-            }
+/// The keys one image gives: its tag, and every digest reachable from its target that is
+/// present. None for an image of a registry that is not mirrored or filtered out.
+async fn image_keys(
+    walker: &mut Walker<'_>,
+    image: &ImageRecord,
+    registries: &Registries,
+    filters: &RegistryFilters,
+) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let Some(name) = ImageName::parse(&image.name) else {
+        return keys;
+    };
+    let shown = image
+        .name
+        .split_once('@')
+        .map_or(image.name.as_str(), |(n, _)| n);
+    if !registries.includes(&name.registry) || !filters.allows(shown) {
+        return keys;
+    }
+    let present = walker.present_from(&image.target.digest).await;
+    if let Some(tag) = &name.tag
+        && present.contains(&image.target.digest)
+    {
+        keys.insert(tag_key(&name.registry, &name.repository, tag));
+    }
+    keys.extend(present.iter().map(digest_key));
+    keys
+}
+
+/// Reads what walks need from the store, each digest once per reconcile: images share
+/// layers and manifests, and a call per digest is what a walk costs.
+struct Walker<'a> {
+    store: &'a dyn ContentStore,
+    /// Size of each digest asked about; `None` when absent.
+    sizes: HashMap<Digest, Option<u64>>,
+    children: HashMap<Digest, Option<Arc<Children>>>,
+}
+
+impl<'a> Walker<'a> {
+    fn new(store: &'a dyn ContentStore) -> Self {
+        Walker {
+            store,
+            sizes: HashMap::new(),
+            children: HashMap::new(),
         }
     }
-    present
+
+    async fn size(&mut self, digest: &Digest) -> Option<u64> {
+        if let Some(size) = self.sizes.get(digest) {
+            return *size;
+        }
+        let size = self.store.descriptor(digest).await.ok().map(|d| d.size);
+        self.sizes.insert(digest.clone(), size);
+        size
+    }
+
+    async fn children(&mut self, digest: &Digest) -> Option<Arc<Children>> {
+        if let Some(children) = self.children.get(digest) {
+            return children.clone();
+        }
+        let children = read_children(self.store, digest).await.map(Arc::new);
+        self.children.insert(digest.clone(), children.clone());
+        children
+    }
+
+    /// Every present digest reachable from `root` (itself included when present).
+    async fn present_from(&mut self, root: &Digest) -> BTreeSet<Digest> {
+        let mut present = BTreeSet::new();
+        let mut seen = BTreeSet::new();
+        let mut manifests = vec![root.clone()];
+        while let Some(digest) = manifests.pop() {
+            if !seen.insert(digest.clone()) {
+                continue;
+            }
+            let Some(size) = self.size(&digest).await else {
+                continue;
+            };
+            present.insert(digest.clone());
+            if size > MAX_MANIFEST_BYTES {
+                continue;
+            }
+            let Some(children) = self.children(&digest).await else {
+                continue;
+            };
+            manifests.extend(children.manifests.iter().cloned());
+            for blob in &children.blobs {
+                if seen.insert(blob.clone()) && self.size(blob).await.is_some() {
+                    present.insert(blob.clone());
+                }
+            }
+        }
+        present
+    }
 }
 
 #[derive(Deserialize)]
@@ -465,6 +658,177 @@ mod tests {
             !exposed.borrow().contains(&layer.to_string()),
             "and no longer served to peers"
         );
+        token.cancel();
+        task.await.unwrap();
+    }
+
+    /// A store that counts the calls walks make (descriptor and read), to show what a change
+    /// costs.
+    struct Counting {
+        inner: Arc<MemoryStore>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Counting {
+        fn calls(&self) -> usize {
+            self.calls.load(std::sync::atomic::Ordering::SeqCst)
+        }
+        fn count(&self) {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ContentStore for Counting {
+        async fn resolve(
+            &self,
+            registry: &str,
+            repository: &str,
+            tag: &str,
+        ) -> Result<crate::store::Descriptor, crate::store::StoreError> {
+            self.inner.resolve(registry, repository, tag).await
+        }
+        async fn descriptor(
+            &self,
+            digest: &Digest,
+        ) -> Result<crate::store::Descriptor, crate::store::StoreError> {
+            self.count();
+            self.inner.descriptor(digest).await
+        }
+        async fn open(
+            &self,
+            digest: &Digest,
+            range: Option<crate::oci::ByteRange>,
+        ) -> Result<crate::store::ByteStream, crate::store::StoreError> {
+            self.count();
+            self.inner.open(digest, range).await
+        }
+        async fn healthy(&self) -> bool {
+            true
+        }
+        async fn images(&self) -> Result<Vec<ImageRecord>, crate::store::StoreError> {
+            self.inner.images().await
+        }
+        async fn changes(&self) -> Result<crate::store::ChangeStream, crate::store::StoreError> {
+            self.inner.changes().await
+        }
+        async fn discard_partial(
+            &self,
+            digest: &Digest,
+            started_before: std::time::SystemTime,
+        ) -> Result<usize, crate::store::StoreError> {
+            self.inner.discard_partial(digest, started_before).await
+        }
+    }
+
+    /// An image of `layers` layers of its own plus one every image shares, tagged `name`.
+    fn small_image(store: &MemoryStore, name: &str, layers: usize) -> (Digest, Vec<Digest>) {
+        let mut own: Vec<Digest> = (0..layers)
+            .map(|i| store.put(format!("{name} layer {i}")))
+            .collect();
+        own.push(store.put("the base layer every image shares"));
+        let config = store.put(format!(r#"{{"image":"{name}"}}"#));
+        let links: Vec<String> = own
+            .iter()
+            .map(|l| format!(r#"{{"digest":"{l}"}}"#))
+            .collect();
+        let manifest = store.put(format!(
+            r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","config":{{"digest":"{config}"}},"layers":[{}]}}"#,
+            links.join(",")
+        ));
+        store.tag("docker.io", name, "1", &manifest, OCI_MANIFEST);
+        (manifest, own)
+    }
+
+    async fn advertised(metrics: &Metrics, n: i64) {
+        for _ in 0..500 {
+            if metrics.keys_advertised.get() == n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "{} keys advertised, expected {n}",
+            metrics.keys_advertised.get()
+        );
+    }
+
+    /// A pull, a deleted image and a deleted blob each cost calls for the images they touch,
+    /// not for the store: 200 images are walked once at start, never again on a change.
+    #[tokio::test]
+    async fn a_change_costs_what_it_touches_not_the_whole_store() {
+        let memory = Arc::new(MemoryStore::new());
+        let images = 200;
+        // Each: 3 own layers + the shared one, config, manifest, tag = 7 keys (the shared
+        // layer once overall).
+        for i in 0..images {
+            small_image(&memory, &format!("app{i}"), 3);
+        }
+        let store = Arc::new(Counting {
+            inner: memory.clone(),
+            calls: Default::default(),
+        });
+        let network = MemoryNetwork::new();
+        let me = Arc::new(network.node(Peer {
+            id: "me".into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+        }));
+        let metrics = Arc::new(Metrics::new());
+        let config = SyncConfig {
+            registries: Registries::All,
+            filters: RegistryFilters::default(),
+            interval: Duration::from_secs(3600),
+        };
+        let (exposed_tx, exposed) = exposure();
+        let token = CancellationToken::new();
+        let task = tokio::spawn(run(
+            store.clone(),
+            me.clone(),
+            config,
+            metrics.clone(),
+            exposed_tx,
+            token.clone(),
+        ));
+        let per_image = 6;
+        advertised(&metrics, images * per_image + 1).await;
+        let walked = |reason| {
+            metrics
+                .sync_images_walked
+                .get_or_create(&ReasonLabels { reason })
+                .get()
+        };
+        assert_eq!(walked("full"), images as u64);
+        let at_start = store.calls();
+        assert!(at_start >= 5 * images as usize, "{at_start} calls at start");
+
+        // A pull: one new image.
+        let (manifest, own) = small_image(&memory, "new", 3);
+        advertised(&metrics, (images + 1) * per_image + 1).await;
+        let pull = store.calls() - at_start;
+        // The manifest read and 6 descriptors; nothing of the other 200 images.
+        assert!(pull <= 8, "a pull cost {pull} calls");
+        assert_eq!((walked("full"), walked("change")), (images as u64, 1));
+        assert!(exposed.borrow().contains(&own[0].to_string()));
+
+        // A blob of it deleted: only the images that had it are walked again.
+        let before = store.calls();
+        memory.remove(&own[0]);
+        advertised(&metrics, (images + 1) * per_image).await;
+        assert!(store.calls() - before <= 8);
+        assert!(!exposed.borrow().contains(&own[0].to_string()));
+        assert_eq!(walked("change"), 2);
+
+        // The image deleted: its keys go without a single call; the shared layer stays.
+        let before = store.calls();
+        memory.untag("docker.io", "new", "1");
+        advertised(&metrics, images * per_image + 1).await;
+        assert_eq!(store.calls(), before);
+        assert!(!exposed.borrow().contains(&manifest.to_string()));
+        assert!(
+            exposed.borrow().contains(&own[3].to_string()),
+            "shared layer"
+        );
+        assert_eq!(walked("full"), images as u64);
         token.cancel();
         task.await.unwrap();
     }

@@ -9,14 +9,14 @@ use futures::StreamExt;
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
 
-use super::{ByteStream, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
+use super::{ByteStream, Change, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
 /// Content and image names held in memory. Cloning shares nothing; wrap it in an `Arc`.
 #[derive(Debug)]
 pub struct MemoryStore {
     inner: RwLock<Inner>,
-    changes: broadcast::Sender<()>,
+    changes: broadcast::Sender<Change>,
 }
 
 impl Default for MemoryStore {
@@ -28,7 +28,7 @@ impl Default for MemoryStore {
     }
 }
 
-/// Change notifications carry no data; a lagging follower just looks again.
+/// A follower that falls further behind is told it missed changes ([`Change::Unknown`]).
 const CHANGE_BUFFER: usize = 16;
 
 #[derive(Debug, Default)]
@@ -51,12 +51,11 @@ impl MemoryStore {
         let data = data.into();
         let digest = Digest::sha256_of(&data);
         self.write().blobs.insert(digest.clone(), data);
-        self.notify();
         digest
     }
 
-    fn notify(&self) {
-        let _ = self.changes.send(());
+    fn notify(&self, change: Change) {
+        let _ = self.changes.send(change);
     }
 
     /// Stores `data` under a digest it may not match: for tests of what happens when a store
@@ -78,7 +77,7 @@ impl MemoryStore {
             },
         );
         drop(inner);
-        self.notify();
+        self.notify(Change::Images);
     }
 
     /// Deletes an image name (its content stays, as in containerd until garbage collection).
@@ -86,12 +85,12 @@ impl MemoryStore {
         self.write()
             .images
             .remove(&format!("{registry}/{repo}:{tag}"));
-        self.notify();
+        self.notify(Change::Images);
     }
 
     pub fn remove(&self, digest: &Digest) {
         self.write().blobs.remove(digest);
-        self.notify();
+        self.notify(Change::ContentDeleted(digest.clone()));
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
@@ -176,7 +175,8 @@ impl ContentStore for MemoryStore {
     }
 
     async fn changes(&self) -> Result<ChangeStream, StoreError> {
-        let stream = BroadcastStream::new(self.changes.subscribe()).map(|_| ());
+        let stream = BroadcastStream::new(self.changes.subscribe())
+            .map(|change| change.unwrap_or(Change::Unknown));
         Ok(Box::pin(stream))
     }
 }

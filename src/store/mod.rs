@@ -16,10 +16,21 @@ use crate::oci::{ByteRange, Digest};
 /// the connection so containerd never mistakes a truncated body for a complete one.
 pub type ByteStream = Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>;
 
-/// Something in the store changed (an image was created, updated or deleted, content was
-/// deleted): whoever follows the store looks again. The stream ends when the connection to
-/// the store is lost.
-pub type ChangeStream = Pin<Box<dyn Stream<Item = ()> + Send>>;
+/// What changed in the store, as far as what a node can serve goes; the stream ends when the
+/// connection to the store is lost.
+pub type ChangeStream = Pin<Box<dyn Stream<Item = Change> + Send>>;
+
+/// A change in the store. New content alone is not one: nothing is served for content until
+/// an image names it, and naming it is an image change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// An image was created, updated or deleted (which one, the image list says).
+    Images,
+    /// This content was deleted: the images that had it lose it.
+    ContentDeleted(Digest),
+    /// Changes were missed, or one could not be read: look at everything.
+    Unknown,
+}
 
 /// A named image: `<registry>/<repo>:<tag>` (or `...@<digest>`) and the manifest or index it
 /// points at.

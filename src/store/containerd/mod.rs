@@ -9,6 +9,7 @@ pub use files::blob_path;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use containerd_client::events::ContentDelete;
 use containerd_client::services::v1::content_client::ContentClient;
 use containerd_client::services::v1::events_client::EventsClient;
 use containerd_client::services::v1::images_client::ImagesClient;
@@ -19,10 +20,12 @@ use containerd_client::services::v1::{
 };
 use containerd_client::tonic::transport::Channel;
 use containerd_client::tonic::{Code, Request, Status};
+use containerd_client::types::Envelope;
 use containerd_client::with_namespace;
 use futures::StreamExt;
+use prost::Message;
 
-use super::{ByteStream, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
+use super::{ByteStream, Change, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
 /// How long the health probe waits for containerd before calling it down.
@@ -251,18 +254,29 @@ impl ContentStore for ContainerdStore {
             .into_inner();
         let changes = stream
             .take_while(|item| futures::future::ready(item.is_ok()))
-            .filter_map(|item| {
-                let relevant = item
-                    .ok()
-                    .is_some_and(|e| RELEVANT_TOPICS.iter().any(|t| e.topic.starts_with(t)));
-                futures::future::ready(relevant.then_some(()))
-            });
+            .filter_map(|item| futures::future::ready(item.ok().and_then(|e| change_of(&e))));
         Ok(Box::pin(changes))
     }
 }
 
-/// Event topics that change what a node can serve.
-const RELEVANT_TOPICS: [&str; 2] = ["/images/", "/content/"];
+/// What an event changes in what a node can serve, if anything: `/images/create`, `update`
+/// and `delete` change images; `/content/delete` takes a blob away; new content
+/// (`/content/create`, containerd 2.x) and everything else change nothing until an image
+/// names it.
+fn change_of(event: &Envelope) -> Option<Change> {
+    if event.topic.starts_with("/images/") {
+        return Some(Change::Images);
+    }
+    if event.topic != "/content/delete" {
+        return None;
+    }
+    let digest = event
+        .event
+        .as_ref()
+        .and_then(|any| ContentDelete::decode(any.value.as_slice()).ok())
+        .and_then(|e| e.digest.parse::<Digest>().ok());
+    Some(digest.map_or(Change::Unknown, Change::ContentDeleted))
+}
 
 fn status_error(status: Status) -> StoreError {
     match status.code() {
@@ -283,6 +297,40 @@ fn parse_major(version: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn envelope(topic: &str, value: Vec<u8>) -> Envelope {
+        let mut e = Envelope {
+            topic: topic.to_string(),
+            ..Default::default()
+        };
+        let mut any = e.event.take().unwrap_or_default();
+        any.value = value;
+        e.event = Some(any);
+        e
+    }
+
+    #[test]
+    fn events_are_read_as_what_they_change() {
+        let digest = Digest::sha256_of(b"layer");
+        let deleted = ContentDelete {
+            digest: digest.to_string(),
+        }
+        .encode_to_vec();
+        assert_eq!(
+            change_of(&envelope("/content/delete", deleted)),
+            Some(Change::ContentDeleted(digest))
+        );
+        assert_eq!(
+            change_of(&envelope("/content/delete", vec![0xff, 0x01])),
+            Some(Change::Unknown),
+            "an unreadable deletion means look at everything"
+        );
+        for topic in ["/images/create", "/images/update", "/images/delete"] {
+            assert_eq!(change_of(&envelope(topic, vec![])), Some(Change::Images));
+        }
+        assert_eq!(change_of(&envelope("/content/create", vec![])), None);
+        assert_eq!(change_of(&envelope("/tasks/start", vec![])), None);
+    }
 
     #[test]
     fn the_major_version_is_read_from_every_spelling_containerd_uses() {
