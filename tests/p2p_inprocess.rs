@@ -275,7 +275,7 @@ async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
     let tmp = tempfile::tempdir().unwrap();
     // Each key stored on 4 nodes (Ferry: 20): a storing node holds its own record and 3 of
     // the other 11, it refuses 8, so a node left out is refused by about 3 of its 4 (a key
-    // rests at 2). The same proportions as 20 of 60 nodes, in a dozen.
+    // rests at 1). The same proportions as 20 of 60 nodes, in a dozen.
     let timing = ProvideTiming {
         replicas: 4,
         ..TIMING
