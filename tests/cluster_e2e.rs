@@ -251,7 +251,7 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
     assert!(
         change >= 1,
         "node 2's pull was walked on its event: {}",
-        node2.metrics()
+        node2.ferry.log_text()
     );
     let keys = node2.metric("ferry_keys_advertised");
     node2

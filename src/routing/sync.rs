@@ -3,8 +3,9 @@
 //! One task owns what is advertised, image by image. At start and on a slow timer (the
 //! re-announcement interval) it walks every image: the safety net. A change in the store (a
 //! burst of containerd events, debounced) costs what changed: one call listing the image
-//! records, then a walk of only the images that are new, point somewhere new, or lost a blob
-//! that was just deleted; a deleted image drops its keys without any call. (On a node with
+//! records, then a walk of only the images the events named (created or updated), that point
+//! somewhere new, or that lost a blob just deleted; a deleted image drops its keys without any
+//! call. (On a node with
 //! 2,500 images the whole walk is about 12,500 calls; a pull re-walks only its image.)
 //! containerd going away ends the notifications, and the task reconnects with backoff and
 //! walks everything again.
@@ -76,11 +77,9 @@ pub async fn run(
     let mut retry = RETRY_MIN;
     let mut unreachable_since: Option<std::time::Instant> = None;
     loop {
+        let subscribed = std::time::Instant::now();
         let changes = match store.changes().await {
-            Ok(c) => {
-                retry = RETRY_MIN;
-                Some(c)
-            }
+            Ok(c) => Some(c),
             Err(e) => {
                 tracing::debug!(error = %e, "cannot follow store events yet; retrying");
                 None
@@ -135,6 +134,17 @@ pub async fn run(
                 }
             }
         }
+        // Every reconnection walks the whole store: one that ends quickly (containerd down,
+        // the subscription refused) waits longer each time; one that lasted starts afresh.
+        if subscribed.elapsed() < RETRY_MAX {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                _ = tokio::time::sleep(retry) => {}
+            }
+            retry = (retry * 2).min(RETRY_MAX);
+        } else {
+            retry = RETRY_MIN;
+        }
     }
 }
 
@@ -143,15 +153,21 @@ pub async fn run(
 struct Burst {
     /// Events were missed or unreadable: look at everything.
     everything: bool,
+    /// Images created, updated or deleted, by name. An update may keep the target and still
+    /// matter: containerd updates an image after fetching more of its content (another
+    /// platform, or a layer fetched again after it was deleted).
+    images: BTreeSet<String>,
     /// Content deleted: images that had it lose it.
     deleted: BTreeSet<String>,
 }
 
 impl Burst {
     fn add(&mut self, change: Change) {
+        tracing::debug!(?change, "store change");
         match change {
-            // Which images: the image list says (new names, new targets, names gone).
-            Change::Images => {}
+            Change::Image(name) => {
+                self.images.insert(name);
+            }
             Change::ContentDeleted(digest) => {
                 self.deleted.insert(digest_key(&digest));
             }
@@ -225,6 +241,7 @@ impl Advertised {
             None => true,
             Some(w) => {
                 w.target != image.target.digest
+                    || burst.images.contains(&image.name)
                     || burst.deleted.iter().any(|key| w.keys.contains(key))
             }
         }
@@ -817,6 +834,13 @@ mod tests {
         assert!(store.calls() - before <= 8);
         assert!(!exposed.borrow().contains(&own[0].to_string()));
         assert_eq!(walked("change"), 2);
+
+        // Fetched again: containerd updates the image to the same target, the layer is back.
+        memory.put("new layer 0");
+        memory.tag("docker.io", "new", "1", &manifest, OCI_MANIFEST);
+        advertised(&metrics, (images + 1) * per_image + 1).await;
+        assert!(exposed.borrow().contains(&own[0].to_string()));
+        assert_eq!(walked("change"), 3);
 
         // The image deleted: its keys go without a single call; the shared layer stays.
         let before = store.calls();

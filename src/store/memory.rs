@@ -77,7 +77,7 @@ impl MemoryStore {
             },
         );
         drop(inner);
-        self.notify(Change::Images);
+        self.notify(Change::Image(format!("{registry}/{repo}:{tag}")));
     }
 
     /// Deletes an image name (its content stays, as in containerd until garbage collection).
@@ -85,7 +85,7 @@ impl MemoryStore {
         self.write()
             .images
             .remove(&format!("{registry}/{repo}:{tag}"));
-        self.notify(Change::Images);
+        self.notify(Change::Image(format!("{registry}/{repo}:{tag}")));
     }
 
     pub fn remove(&self, digest: &Digest) {

@@ -24,8 +24,9 @@ pub type ChangeStream = Pin<Box<dyn Stream<Item = Change> + Send>>;
 /// an image names it, and naming it is an image change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
-    /// An image was created, updated or deleted (which one, the image list says).
-    Images,
+    /// The image of this name was created, updated (possibly to the same target, after more
+    /// of its content arrived) or deleted.
+    Image(String),
     /// This content was deleted: the images that had it lose it.
     ContentDeleted(Digest),
     /// Changes were missed, or one could not be read: look at everything.

@@ -17,10 +17,23 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Builds the channel without touching the socket. Every call (re)connects on demand.
 pub fn lazy_unix_channel(socket: PathBuf) -> Channel {
+    lazy_channel(socket, Some(CALL_TIMEOUT))
+}
+
+/// The same, with no bound on a call's response headers: for the event subscription, whose
+/// headers containerd 1.6 sends only with the first event, minutes or hours later. (Under
+/// [`CALL_TIMEOUT`] every subscription failed after 2 s on an idle node, and each retry
+/// walked the whole store: a full walk every 10 s instead of following events.)
+pub fn lazy_unix_channel_for_streams(socket: PathBuf) -> Channel {
+    lazy_channel(socket, None)
+}
+
+fn lazy_channel(socket: PathBuf, timeout: Option<Duration>) -> Channel {
     // The URI is required by tonic but unused: the connector below dials the socket.
-    let endpoint = Endpoint::from_static("http://[::1]:50051")
-        .connect_timeout(CONNECT_TIMEOUT)
-        .timeout(CALL_TIMEOUT);
+    let mut endpoint = Endpoint::from_static("http://[::1]:50051").connect_timeout(CONNECT_TIMEOUT);
+    if let Some(timeout) = timeout {
+        endpoint = endpoint.timeout(timeout);
+    }
     endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
         let socket = socket.clone();
         async move {

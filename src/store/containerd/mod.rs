@@ -15,8 +15,8 @@ use containerd_client::services::v1::events_client::EventsClient;
 use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::services::v1::version_client::VersionClient;
 use containerd_client::services::v1::{
-    AbortRequest, GetImageRequest, InfoRequest, ListImagesRequest, ListStatusesRequest,
-    ReadContentRequest, SubscribeRequest,
+    AbortRequest, GetImageRequest, ImageCreate, ImageDelete, ImageUpdate, InfoRequest,
+    ListImagesRequest, ListStatusesRequest, ReadContentRequest, SubscribeRequest,
 };
 use containerd_client::tonic::transport::Channel;
 use containerd_client::tonic::{Code, Request, Status};
@@ -28,6 +28,10 @@ use prost::Message;
 use super::{ByteStream, Change, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
+/// Changes not yet taken by the follower; when it falls this far behind, containerd's stream
+/// waits (and containerd may drop the subscription: the follower then walks everything).
+const CHANGE_BUFFER: usize = 1024;
+
 /// How long the health probe waits for containerd before calling it down.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -35,6 +39,8 @@ const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct ContainerdStore {
     channel: Channel,
+    /// For the event subscription only (see `channel::lazy_unix_channel_for_streams`).
+    events: Channel,
     namespace: String,
     content_dir: PathBuf,
 }
@@ -43,7 +49,8 @@ impl ContainerdStore {
     /// Does not connect: the channel dials on first use and after every failure.
     pub fn new(socket: PathBuf, namespace: String, content_dir: PathBuf) -> Self {
         Self {
-            channel: channel::lazy_unix_channel(socket),
+            channel: channel::lazy_unix_channel(socket.clone()),
+            events: channel::lazy_unix_channel_for_streams(socket),
             namespace,
             content_dir,
         }
@@ -246,36 +253,60 @@ impl ContentStore for ContainerdStore {
         let request = SubscribeRequest {
             filters: vec![format!("namespace=={}", self.namespace)],
         };
-        // Subscriptions are long-lived: no per-call timeout (the channel's applies to headers).
-        let stream = EventsClient::new(self.channel.clone())
-            .subscribe(request)
-            .await
-            .map_err(status_error)?
-            .into_inner();
-        let changes = stream
-            .take_while(|item| futures::future::ready(item.is_ok()))
-            .filter_map(|item| futures::future::ready(item.ok().and_then(|e| change_of(&e))));
-        Ok(Box::pin(changes))
+        let mut client = EventsClient::new(self.events.clone());
+        // The call returns with the response headers, which containerd 1.6 sends with the
+        // first event: the subscription is made in a task of its own, so the caller goes on
+        // (and walks the store) at once. The stream ends when the subscription fails or
+        // ends, and the task ends when the stream is dropped.
+        let (tx, rx) = tokio::sync::mpsc::channel(CHANGE_BUFFER);
+        tokio::spawn(async move {
+            let follow = async {
+                let Ok(response) = client.subscribe(request).await else {
+                    return;
+                };
+                let mut events = response.into_inner();
+                while let Some(Ok(event)) = events.next().await {
+                    if let Some(change) = change_of(&event)
+                        && tx.send(change).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            };
+            tokio::select! {
+                _ = follow => {}
+                _ = tx.closed() => {}
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 }
 
 /// What an event changes in what a node can serve, if anything: `/images/create`, `update`
-/// and `delete` change images; `/content/delete` takes a blob away; new content
+/// and `delete` name an image; `/content/delete` takes a blob away; new content
 /// (`/content/create`, containerd 2.x) and everything else change nothing until an image
-/// names it.
+/// names it. An event of interest that cannot be read means "look at everything".
 fn change_of(event: &Envelope) -> Option<Change> {
-    if event.topic.starts_with("/images/") {
-        return Some(Change::Images);
-    }
-    if event.topic != "/content/delete" {
-        return None;
-    }
-    let digest = event
+    let value = event
         .event
         .as_ref()
-        .and_then(|any| ContentDelete::decode(any.value.as_slice()).ok())
-        .and_then(|e| e.digest.parse::<Digest>().ok());
-    Some(digest.map_or(Change::Unknown, Change::ContentDeleted))
+        .map_or(&[][..], |any| any.value.as_slice());
+    let change = match event.topic.as_str() {
+        "/images/create" => ImageCreate::decode(value).ok().map(|e| e.name),
+        "/images/update" => ImageUpdate::decode(value).ok().map(|e| e.name),
+        "/images/delete" => ImageDelete::decode(value).ok().map(|e| e.name),
+        "/content/delete" => {
+            let digest = ContentDelete::decode(value).ok();
+            let digest = digest.and_then(|e| e.digest.parse::<Digest>().ok());
+            return Some(digest.map_or(Change::Unknown, Change::ContentDeleted));
+        }
+        _ => return None,
+    };
+    Some(
+        change
+            .filter(|name| !name.is_empty())
+            .map_or(Change::Unknown, Change::Image),
+    )
 }
 
 fn status_error(status: Status) -> StoreError {
@@ -325,8 +356,32 @@ mod tests {
             Some(Change::Unknown),
             "an unreadable deletion means look at everything"
         );
-        for topic in ["/images/create", "/images/update", "/images/delete"] {
-            assert_eq!(change_of(&envelope(topic, vec![])), Some(Change::Images));
+        let name = "docker.io/library/app:1";
+        let created = ImageCreate {
+            name: name.to_string(),
+            labels: [("io.cri-containerd.image".to_string(), "managed".to_string())].into(),
+        };
+        let updated = ImageUpdate {
+            name: name.to_string(),
+            ..Default::default()
+        };
+        let deleted = ImageDelete {
+            name: name.to_string(),
+        };
+        for (topic, value) in [
+            ("/images/create", created.encode_to_vec()),
+            ("/images/update", updated.encode_to_vec()),
+            ("/images/delete", deleted.encode_to_vec()),
+        ] {
+            assert_eq!(
+                change_of(&envelope(topic, value)),
+                Some(Change::Image(name.to_string()))
+            );
+            assert_eq!(
+                change_of(&envelope(topic, vec![])),
+                Some(Change::Unknown),
+                "an image event without a name"
+            );
         }
         assert_eq!(change_of(&envelope("/content/create", vec![])), None);
         assert_eq!(change_of(&envelope("/tasks/start", vec![])), None);
