@@ -604,6 +604,39 @@ mod tests {
         );
     }
 
+    /// The sync task for `store`, advertising through `router` (no timer walks in a test).
+    struct Running {
+        metrics: Arc<Metrics>,
+        exposed: watch::Receiver<Exposed>,
+        token: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    fn start_sync(store: Arc<dyn ContentStore>, router: Arc<dyn Router>) -> Running {
+        let metrics = Arc::new(Metrics::new());
+        let config = SyncConfig {
+            registries: Registries::All,
+            filters: RegistryFilters::default(),
+            interval: Duration::from_secs(3600),
+        };
+        let (exposed_tx, exposed) = exposure();
+        let token = CancellationToken::new();
+        let task = tokio::spawn(run(
+            store,
+            router,
+            config,
+            metrics.clone(),
+            exposed_tx,
+            token.clone(),
+        ));
+        Running {
+            metrics,
+            exposed,
+            token,
+            task,
+        }
+    }
+
     #[tokio::test]
     async fn sync_advertises_and_withdraws_as_the_store_changes() {
         let store = Arc::new(MemoryStore::new());
@@ -616,22 +649,12 @@ mod tests {
             id: "other".into(),
             addr: "127.0.0.1:2".parse().unwrap(),
         });
-        let token = CancellationToken::new();
-        let metrics = Arc::new(Metrics::new());
-        let config = SyncConfig {
-            registries: Registries::All,
-            filters: RegistryFilters::default(),
-            interval: Duration::from_secs(3600),
-        };
-        let (exposed_tx, exposed) = exposure();
-        let task = tokio::spawn(run(
-            store.clone(),
-            Arc::new(me),
-            config,
-            metrics.clone(),
-            exposed_tx,
-            token.clone(),
-        ));
+        let Running {
+            metrics,
+            exposed,
+            token,
+            task,
+        } = start_sync(store.clone(), Arc::new(me));
 
         let (_, _, _, layer) = image(&store);
         let found = |key: String| {
@@ -786,26 +809,16 @@ mod tests {
             calls: Default::default(),
         });
         let network = MemoryNetwork::new();
-        let me = Arc::new(network.node(Peer {
+        let me = network.node(Peer {
             id: "me".into(),
             addr: "127.0.0.1:1".parse().unwrap(),
-        }));
-        let metrics = Arc::new(Metrics::new());
-        let config = SyncConfig {
-            registries: Registries::All,
-            filters: RegistryFilters::default(),
-            interval: Duration::from_secs(3600),
-        };
-        let (exposed_tx, exposed) = exposure();
-        let token = CancellationToken::new();
-        let task = tokio::spawn(run(
-            store.clone(),
-            me.clone(),
-            config,
-            metrics.clone(),
-            exposed_tx,
-            token.clone(),
-        ));
+        });
+        let Running {
+            metrics,
+            exposed,
+            token,
+            task,
+        } = start_sync(store.clone(), Arc::new(me));
         let per_image = 6;
         advertised(&metrics, images * per_image + 1).await;
         let walked = |reason| {
