@@ -210,7 +210,7 @@ impl EventLoop {
                     .connected_since
                     .write()
                     .unwrap_or_else(|e| e.into_inner())
-                    .entry(peer_id.to_base58())
+                    .entry(peer_id)
                     .or_insert_with(std::time::SystemTime::now);
                 if endpoint.is_dialer() {
                     // A bootstrap dial: Kademlia learns the address it worked at.
@@ -234,7 +234,7 @@ impl EventLoop {
                         .connected_since
                         .write()
                         .unwrap_or_else(|e| e.into_inner())
-                        .remove(&peer_id.to_base58());
+                        .remove(&peer_id);
                     self.awaiting_identify.remove(&peer_id);
                 }
                 self.update_connected();

@@ -93,8 +93,9 @@ pub(crate) struct Status {
     pub connected: AtomicUsize,
     /// Connected peers whose peer address is known (identify): the live member set.
     pub members: std::sync::RwLock<Arc<Vec<Peer>>>,
-    /// When each connected peer's first open connection was established, by peer ID.
-    pub connected_since: std::sync::RwLock<std::collections::HashMap<String, SystemTime>>,
+    /// When each connected peer's first open connection was established, by peer ID (as an
+    /// ID, not text: connections come and go far more often than anyone asks).
+    pub connected_since: std::sync::RwLock<std::collections::HashMap<PeerId, SystemTime>>,
 }
 
 /// The handle. Cheap to clone; all clones talk to the same swarm task.
@@ -269,11 +270,12 @@ impl Router for P2pRouter {
     }
 
     fn connected_since(&self, id: &str) -> Option<SystemTime> {
+        let id = id.parse::<PeerId>().ok()?;
         self.status
             .connected_since
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .get(id)
+            .get(&id)
             .copied()
     }
 
