@@ -73,7 +73,11 @@ impl Integrity {
     }
 
     /// Whether the blob's file matches `digest`, hashing it unless it was already checked.
-    pub async fn check(&self, digest: &Digest) -> Check {
+    /// The hash runs to its end even if the asker stops waiting: a peer gives up on the
+    /// response headers after `--peer-first-byte-timeout` (2 s), less than hashing a blob of a
+    /// few GiB takes, and a hash dropped with its request would be started again, from zero,
+    /// by every later asker, so such a blob would never be served. Its verdict serves the next.
+    pub async fn check(self: &Arc<Self>, digest: &Digest) -> Check {
         let path = crate::store::containerd::files::blob_path(&self.content_dir, digest);
         let Some(id) = file_id(&path) else {
             return Check::Unknown;
@@ -81,6 +85,14 @@ impl Integrity {
         if let Some(check) = self.known(digest, id) {
             return check;
         }
+        let (this, digest) = (self.clone(), digest.clone());
+        tokio::spawn(async move { this.check_unknown(&digest, &path, id).await })
+            .await
+            .unwrap_or(Check::Unknown)
+    }
+
+    /// One hash per digest at a time; a waiter finds the verdict its predecessor reached.
+    async fn check_unknown(&self, digest: &Digest, path: &Path, id: FileId) -> Check {
         let turn = {
             let mut hashing = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
             hashing.entry(digest.clone()).or_default().clone()
@@ -89,7 +101,7 @@ impl Integrity {
             let _mine = turn.lock().await;
             match self.known(digest, id) {
                 Some(check) => check,
-                None => self.hash(digest, &path, id).await,
+                None => self.hash(digest, path, id).await,
             }
         };
         let mut hashing = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
@@ -189,7 +201,11 @@ mod tests {
         };
         let router: Arc<dyn Router> = Arc::new(MemoryNetwork::new().node(me));
         let metrics = Arc::new(Metrics::new());
-        let check = Integrity::new(tmp.path().to_path_buf(), router, metrics.clone());
+        let check = Arc::new(Integrity::new(
+            tmp.path().to_path_buf(),
+            router,
+            metrics.clone(),
+        ));
         assert_eq!(check.check(&digest).await, Check::Good);
         assert_eq!(check.check(&digest).await, Check::Good, "remembered");
 
@@ -204,5 +220,42 @@ mod tests {
 
         let missing = Digest::sha256_of(b"not here");
         assert_eq!(check.check(&missing).await, Check::Unknown);
+    }
+
+    #[tokio::test]
+    async fn a_check_its_asker_gave_up_on_still_reaches_a_verdict() {
+        // 64 MiB: tens of milliseconds of hashing, far more than the asker waits here.
+        let bytes: Vec<u8> = (0..64u32 << 20).map(|i| (i % 253) as u8).collect();
+        let (tmp, digest, path) = setup(&bytes);
+        let me = crate::routing::Peer {
+            id: "a".into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+        };
+        let router: Arc<dyn Router> = Arc::new(MemoryNetwork::new().node(me));
+        let check = Arc::new(Integrity::new(
+            tmp.path().to_path_buf(),
+            router,
+            Arc::new(Metrics::new()),
+        ));
+        let gave_up =
+            tokio::time::timeout(std::time::Duration::from_millis(1), check.check(&digest)).await;
+        assert!(
+            gave_up.is_err(),
+            "the asker stopped waiting before the verdict"
+        );
+        let id = file_id(&path).unwrap();
+        let started = std::time::Instant::now();
+        while check.known(&digest, id).is_none() {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(30),
+                "the hash was dropped with its asker"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(check.known(&digest, id), Some(Check::Good));
+        // The next asker is answered from the verdict at once.
+        let next =
+            tokio::time::timeout(std::time::Duration::from_millis(100), check.check(&digest)).await;
+        assert_eq!(next.ok(), Some(Check::Good));
     }
 }
