@@ -8,9 +8,11 @@
 //! then the component figures (`components.rs`). JSON and a PNG under `benches/results/`.
 //!
 //! `cargo bench --bench cluster -- [--nodes 4] [--rate 200mbit] [--sizes 10MiB,100MiB,1GiB]
-//! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot] [--storm]`. `--storm` runs
-//! the rollout scenario instead (`cluster/storm.rs`): every node pulling a new image at once. Needs root (network
-//! namespaces), except `--replot`: redraw the chart and reprint the tables from the JSON.
+//! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot] [--storm] [--last-hop]`. `--storm` runs
+//! the rollout scenario instead (`cluster/storm.rs`): every node pulling a new image at once.
+//! `--last-hop` instead compares a peer pull with a pull from the registry next door, one node
+//! pulling at a time (`cluster/last_hop.rs`). Needs root (network namespaces), except
+//! `--replot`: redraw the chart and reprint the tables from the JSON.
 //! `./scripts/bench.sh` installs what it needs.
 
 #![allow(clippy::unwrap_used)] // a benchmark harness: failures are loud on purpose
@@ -18,6 +20,8 @@
 
 #[path = "cluster/components.rs"]
 mod components;
+#[path = "cluster/last_hop.rs"]
+mod last_hop;
 #[path = "cluster/report.rs"]
 mod report;
 #[path = "cluster/storm.rs"]
@@ -45,6 +49,9 @@ struct Options {
     replot: bool,
     /// The storm scenario only (every node pulling a new image at once): `<out>/storm.json`.
     storm: bool,
+    /// The last hop only (a peer pull against the registry next door, one node pulling at a
+    /// time): `<out>/last_hop.json`.
+    last_hop: bool,
 }
 
 fn parse_size(s: &str) -> usize {
@@ -84,6 +91,7 @@ fn options() -> Option<Options> {
         component_size: parse_size(&value("--component-size", "1GiB")),
         replot: args.iter().any(|a| a == "--replot"),
         storm: args.iter().any(|a| a == "--storm"),
+        last_hop: args.iter().any(|a| a == "--last-hop"),
         out: PathBuf::from(value(
             "--out",
             concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results"),
@@ -170,6 +178,11 @@ fn main() {
         let report: Value = serde_json::from_str(&text).unwrap();
         storm::chart(&report, &opts.out.join("storm.png"));
         println!("{}", storm::table(&report));
+        return;
+    }
+    if opts.replot && opts.last_hop {
+        let text = std::fs::read_to_string(opts.out.join("last_hop.json")).unwrap();
+        println!("{}", last_hop::table(&serde_json::from_str(&text).unwrap()));
         return;
     }
     if opts.replot {
@@ -268,6 +281,32 @@ fn main() {
         .unwrap();
         storm::chart(&report, &opts.out.join("storm.png"));
         println!("{}", storm::table(&report));
+        drop(nodes);
+        drop((cache, near_registry, registry, tmp));
+        drop(net);
+        return;
+    }
+    if opts.last_hop {
+        let rounds = last_hop::run(
+            &mut nodes,
+            &near_registry,
+            near,
+            dir,
+            &opts.sizes,
+            &opts.layers,
+        );
+        let report = json!({
+            "machine": machine(),
+            "nodes": opts.nodes,
+            "last_hop": rounds,
+        });
+        std::fs::create_dir_all(&opts.out).unwrap();
+        std::fs::write(
+            opts.out.join("last_hop.json"),
+            serde_json::to_string_pretty(&report).unwrap(),
+        )
+        .unwrap();
+        println!("{}", last_hop::table(&report));
         drop(nodes);
         drop((cache, near_registry, registry, tmp));
         drop(net);

@@ -9,6 +9,9 @@
 #   ./scripts/bench.sh --storm --sizes 100MiB,1GiB --layers 4
 #                                            # the rollout storm instead: every node pulls a new
 #                                            #   image at once (benches/results/storm.json)
+#   ./scripts/bench.sh --last-hop --sizes 1GiB --layers 1,4
+#                                            # a peer pull against the registry next door, one
+#                                            #   node at a time (benches/results/last_hop.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh

@@ -246,6 +246,7 @@ impl PeerSetup {
                 first_byte_timeout: settings.peer_first_byte_timeout,
                 idle_timeout: settings.peer_idle_timeout,
                 verify_before_serving: settings.verify_before_serving,
+                zero_copy: settings.zero_copy,
             },
             tags: settings.resolve_tags,
             coalesce: settings.coalesce,
@@ -426,6 +427,9 @@ pub async fn serve(
                     metrics.clone(),
                 ))
             }),
+            zero_copy: peers
+                .as_ref()
+                .is_some_and(|(_, fetch, _, _)| fetch.zero_copy),
         };
         spawn_server(
             &tracker,

@@ -229,6 +229,9 @@ pub struct Flags {
         value_name = "SIZE"
     )]
     pub verify_before_serving: Option<String>,
+    /// Send large stored blobs to other nodes with sendfile [default: true]
+    #[arg(long, global = true, env = "FERRY_ZERO_COPY", value_name = "BOOL")]
+    pub zero_copy: Option<String>,
     /// Label selector of Ferry's pods: bootstrap peers from the Kubernetes API
     #[arg(
         long,
@@ -294,6 +297,7 @@ impl Flags {
             ("peer-first-byte-timeout", &self.peer_first_byte_timeout),
             ("peer-idle-timeout", &self.peer_idle_timeout),
             ("verify-before-serving", &self.verify_before_serving),
+            ("zero-copy", &self.zero_copy),
             ("bootstrap-kubernetes", &self.bootstrap_kubernetes),
             ("kubernetes-namespace", &self.kubernetes_namespace),
             ("node-name", &self.node_name),

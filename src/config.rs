@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 36] = [
+pub const KEYS: [(&str, &str); 37] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -46,6 +46,7 @@ pub const KEYS: [(&str, &str); 36] = [
     ("peer-first-byte-timeout", "2s"),
     ("peer-idle-timeout", "5s"),
     ("verify-before-serving", "4MiB"),
+    ("zero-copy", "true"),
     ("bootstrap-kubernetes", ""),
     ("kubernetes-namespace", ""),
     ("node-name", ""),
@@ -119,6 +120,8 @@ pub struct P2pSettings {
     pub peer_idle_timeout: Duration,
     /// Blobs from peers up to this many bytes are verified whole before serving.
     pub verify_before_serving: u64,
+    /// Large stored blobs go to other nodes with `sendfile` (`registry::zero_copy`).
+    pub zero_copy: bool,
 }
 
 /// The default port of the peer address, next to the mirror's 5480.
@@ -337,6 +340,7 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         )?,
         peer_idle_timeout: duration("peer-idle-timeout", &value("peer-idle-timeout"))?,
         verify_before_serving: size("verify-before-serving", &value("verify-before-serving"))?,
+        zero_copy: boolean("zero-copy", &value("zero-copy"))?,
     }))
 }
 

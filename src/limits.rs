@@ -77,6 +77,11 @@ impl LimitedStream {
     pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
         self.inner.local_addr()
     }
+
+    /// The socket itself, for sending a file with `sendfile` (`registry::zero_copy`).
+    pub fn tcp(&self) -> &TcpStream {
+        &self.inner
+    }
 }
 
 impl AsyncRead for LimitedStream {

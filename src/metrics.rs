@@ -167,6 +167,7 @@ pub struct Metrics {
     pub upstream_probes: Family<ProbeLabels, Counter>,
     pub coalesce: Family<CoalesceLabels, Counter>,
     pub inflight_bytes: Counter,
+    pub zero_copy_bytes: Counter,
     pub follow_wait: Histogram,
     pub corrupt_blobs: Counter,
     pub config_problems: Family<ProblemLabels, Gauge>,
@@ -216,6 +217,7 @@ impl Metrics {
         let upstream_probes = Family::<ProbeLabels, Counter>::default();
         let coalesce = Family::<CoalesceLabels, Counter>::default();
         let inflight_bytes = Counter::default();
+        let zero_copy_bytes = Counter::default();
         let follow_wait = Histogram::new(DURATION_BUCKETS);
         let corrupt_blobs = Counter::default();
         registry.register(
@@ -324,6 +326,11 @@ impl Metrics {
             inflight_bytes.clone(),
         );
         registry.register(
+            "zero_copy_bytes",
+            "Blob bytes sent to other nodes with sendfile, straight from the page cache (also counted in ferry_served_bytes_total)",
+            zero_copy_bytes.clone(),
+        );
+        registry.register(
             "corrupt_blobs",
             "Blobs in this node's content store found not to match their digest before serving a peer",
             corrupt_blobs.clone(),
@@ -392,6 +399,7 @@ impl Metrics {
             upstream_probes,
             coalesce,
             inflight_bytes,
+            zero_copy_bytes,
             follow_wait,
             corrupt_blobs,
             config_problems,

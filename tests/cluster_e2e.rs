@@ -188,6 +188,16 @@ fn node_two_gets_every_blob_from_node_one_and_node_three_survives_node_one_going
             .metric("ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"local\"}"),
         0
     );
+    // The layers (1 MiB and more) went from node 1's page cache to the socket with sendfile;
+    // the config, a few hundred bytes, through hyper.
+    let large: u64 = image
+        .layers
+        .iter()
+        .map(|d| image.blob(d).len() as u64)
+        .filter(|&n| n >= ferry::registry::zero_copy::MIN_BYTES)
+        .sum();
+    assert!(large > 0);
+    assert_eq!(node1.metric("ferry_zero_copy_bytes_total"), large);
     // An operator asks node 2 where its pulls came from: `ferry status`.
     let text = node2.status(false);
     for part in [

@@ -13,8 +13,8 @@ use ferry::app::{Listeners, PeerSetup, Peering, serve};
 use ferry::cli::Flags;
 use ferry::config::{Config, Registries, RegistryFilters};
 use ferry::oci::manifest::OCI_MANIFEST;
-use ferry::registry::ResolveTags;
 use ferry::registry::peer::PeerFetchConfig;
+use ferry::registry::{ResolveTags, zero_copy};
 use ferry::routing::memory::MemoryNetwork;
 use ferry::routing::sync::SyncConfig;
 use ferry::routing::{Peer, Router};
@@ -396,6 +396,12 @@ async fn a_local_miss_is_served_by_the_node_that_has_it_over_real_libp2p() {
 
 /// A peer that sends the headers and part of the body of every blob, then drops the connection.
 async fn dying_peer(full: Bytes, cut_at: usize) -> SocketAddr {
+    dying_peer_speaking(full, cut_at, false).await
+}
+
+/// As [`dying_peer`]; `zero_copy`: it answers an offer of the zero-copy upgrade with a `101`,
+/// as a Ferry sending the blob with `sendfile` does, and dies the same way.
+async fn dying_peer_speaking(full: Bytes, cut_at: usize, zero_copy: bool) -> SocketAddr {
     let listener = bind().await;
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -404,11 +410,23 @@ async fn dying_peer(full: Bytes, cut_at: usize) -> SocketAddr {
             let full = full.clone();
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 4096];
-                let _ = conn.read(&mut buf).await;
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: application/octet-stream\r\n\r\n",
-                    full.len()
-                );
+                let n = conn.read(&mut buf).await.unwrap_or(0);
+                let request = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
+                let offered = request.contains(&format!("upgrade: {}", zero_copy::PROTOCOL));
+                let head = if zero_copy && offered {
+                    format!(
+                        "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {}\r\n{}: 200\r\n{}: {}\r\n\r\n",
+                        zero_copy::PROTOCOL,
+                        zero_copy::STATUS_HEADER,
+                        zero_copy::LENGTH_HEADER,
+                        full.len()
+                    )
+                } else {
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: application/octet-stream\r\n\r\n",
+                        full.len()
+                    )
+                };
                 let _ = conn.write_all(head.as_bytes()).await;
                 let _ = conn.write_all(&full[..cut_at]).await;
                 // Dropped here: the body ends early.
@@ -521,6 +539,139 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
         "a truncated body must be an error for the client"
     );
     for n in [good, verified, streamed] {
+        n.stop().await;
+    }
+}
+
+/// A node whose store keeps its blobs as files (as containerd does), advertised as `id`.
+async fn file_node(
+    dir: &std::path::Path,
+    network: &MemoryNetwork,
+    id: &str,
+) -> (Running, String, Bytes) {
+    let files = dir.join("files");
+    std::fs::create_dir_all(&files).unwrap();
+    let store = Arc::new(MemoryStore::with_files(&files));
+    let (layer, bytes) = image(&store);
+    let node = run_node(dir, store, |http| memory_peering(network, id, http)).await;
+    network
+        .node(Peer {
+            id: id.into(),
+            addr: node.peer,
+        })
+        .advertise(vec![layer.clone()])
+        .await
+        .unwrap();
+    (node, layer, bytes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_blob_is_sent_with_sendfile_whole_and_by_range() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let (holder, layer, bytes) = file_node(&tmp.path().join("holder"), &network, "holder").await;
+    let sent = || metric(holder.ops, "ferry_zero_copy_bytes_total");
+    let len = bytes.len() as u64;
+    // Both of the asking node's paths: streamed on (limit 1 MiB), and verified whole before
+    // serving (4 MiB, where a range is answered from the whole blob, asked for after the
+    // range's own answer is dropped: at least the whole blob is sent).
+    for (limit, range_costs) in [(1u64 << 20, 2_000_000), (4 << 20, len)] {
+        let asker = run_node(
+            &tmp.path().join(format!("asker-{limit}")),
+            Arc::new(MemoryStore::new()),
+            |http| memory_peering_verifying(&network, "asker", http, limit),
+        )
+        .await;
+        let url = format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror);
+        let before = sent().await;
+        let (status, body, _) = get(&url, None).await;
+        assert_eq!(status, 200, "limit {limit}");
+        assert_eq!(sha(&body), layer, "limit {limit}: byte-identical");
+        assert_eq!(
+            sent().await - before,
+            len,
+            "limit {limit}: sent with sendfile"
+        );
+
+        let before = sent().await;
+        let (status, body, headers) = get(&url, Some("bytes=1000-2000999")).await;
+        assert_eq!(status, 206, "limit {limit}");
+        assert_eq!(
+            body,
+            bytes[1000..2_001_000],
+            "limit {limit}: the range's bytes"
+        );
+        assert_eq!(
+            headers["content-range"],
+            format!("bytes 1000-2000999/{len}").as_str()
+        );
+        let range_sent = sent().await - before;
+        if limit < len {
+            assert_eq!(range_sent, range_costs, "limit {limit}: only the range");
+        } else {
+            assert!(range_sent >= range_costs, "limit {limit}: {range_sent}");
+        }
+        asker.stop().await;
+    }
+
+    // An asker that does not offer the upgrade (an older Ferry) gets plain HTTP.
+    let before = sent().await;
+    let (status, body, _) = get(
+        &format!("http://{}/v2/team/app/blobs/{layer}", holder.peer),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(sha(&body), layer);
+    assert_eq!(sent().await, before, "no upgrade offered, none made");
+    // Bytes sent past hyper are still counted as served.
+    assert!(
+        metric(
+            holder.ops,
+            "ferry_served_bytes_total{listener=\"peer\",kind=\"blob\",source=\"local\"}"
+        )
+        .await
+            >= 4 * len
+    );
+    holder.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_copy_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let (good, layer, bytes) = file_node(&tmp.path().join("good"), &network, "b-good").await;
+    let cut_at = 1_000_000;
+    let dying = dying_peer_speaking(bytes.clone(), cut_at, true).await;
+    // Listed by ID: the dying peer is asked first.
+    network
+        .node(Peer {
+            id: "a-dying".into(),
+            addr: dying,
+        })
+        .advertise(vec![layer.clone()])
+        .await
+        .unwrap();
+    let asker = run_node(
+        &tmp.path().join("asker"),
+        Arc::new(MemoryStore::new()),
+        |http| memory_peering_verifying(&network, "c-asker", http, 1 << 20),
+    )
+    .await;
+    let (status, body, _) = get(
+        &format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(sha(&body), layer, "byte-identical despite the dying peer");
+    assert!(metric(asker.ops, "ferry_peer_failures_total{stage=\"body\"}").await >= 1);
+    assert_eq!(
+        metric(good.ops, "ferry_zero_copy_bytes_total").await,
+        (bytes.len() - cut_at) as u64,
+        "the rest, from the byte the dying peer stopped at, with sendfile"
+    );
+    for n in [asker, good] {
         n.stop().await;
     }
 }

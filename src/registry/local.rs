@@ -10,7 +10,10 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 
 use super::ApiError;
-use crate::metrics::{LookupLabels, Metrics};
+use hyper::upgrade::OnUpgrade;
+
+use super::zero_copy;
+use crate::metrics::{LookupLabels, Metrics, SourceLabels};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
 use crate::store::{ContentStore, StoreError};
@@ -90,11 +93,15 @@ impl Local {
         Ok(response.body(Body::from(bytes)).unwrap_or_default())
     }
 
+    /// A blob, whole or one range of it. `zero_copy`: the asker offered the upgrade of
+    /// `zero_copy.rs` (the peer address only); a large enough blob stored as a file is then
+    /// sent with `sendfile`.
     pub async fn blob(
         &self,
         head: bool,
         headers: &HeaderMap,
         digest: &Digest,
+        zero_copy: Option<OnUpgrade>,
     ) -> Result<Response, ApiError> {
         let found = self.store.descriptor(digest).await;
         self.record("blob", &found);
@@ -127,6 +134,19 @@ impl Local {
         if head {
             return Ok(response.body(Body::empty()).unwrap_or_default());
         }
+        if let Some(on_upgrade) = zero_copy
+            && length >= zero_copy::MIN_BYTES
+            && let Some(file) = self.file(digest, desc.size).await
+        {
+            let send = zero_copy::FileSend {
+                file,
+                offset: range.map_or(0, |r| r.start),
+                len: length,
+                idle: zero_copy::SEND_IDLE,
+                counters: [self.peer_bytes(), self.metrics.zero_copy_bytes.clone()],
+            };
+            return Ok(zero_copy::switch(status, response, on_upgrade, send));
+        }
         let stream = self
             .store
             .open(digest, range)
@@ -136,6 +156,27 @@ impl Local {
         // connection: containerd sees a failed transfer, never a short blob.
         let body = Body::from_stream(stream);
         Ok(response.body(body).unwrap_or_default())
+    }
+
+    /// The blob's committed file, open, if it is the size the store says.
+    async fn file(&self, digest: &Digest, size: u64) -> Option<std::fs::File> {
+        let path = self.store.blob_file(digest)?;
+        let file = tokio::fs::File::open(path).await.ok()?;
+        let actual = file.metadata().await.ok()?.len();
+        (actual == size).then_some(file.into_std().await)
+    }
+
+    /// Where bytes sent past hyper are counted: the peer address's `ferry_served_bytes_total`
+    /// for blobs from this node's store, as [`request::handle`](super::request) counts the rest.
+    fn peer_bytes(&self) -> prometheus_client::metrics::counter::Counter {
+        self.metrics
+            .served_bytes
+            .get_or_create(&SourceLabels {
+                listener: "peer",
+                kind: "blob",
+                source: "local",
+            })
+            .clone()
     }
 
     fn record<T>(&self, kind: &'static str, found: &Result<T, StoreError>) {

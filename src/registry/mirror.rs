@@ -336,7 +336,7 @@ async fn local(
             let reference = Reference::Digest(digest.clone());
             mirror.local.manifest(req.head, None, name, reference).await
         }
-        Kind::Blob => mirror.local.blob(req.head, req.headers, digest).await,
+        Kind::Blob => mirror.local.blob(req.head, req.headers, digest, None).await,
     }
 }
 

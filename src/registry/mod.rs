@@ -18,6 +18,7 @@ pub mod tags;
 #[cfg(test)]
 mod tests;
 pub mod upstream;
+pub mod zero_copy;
 
 pub use error::ApiError;
 pub use mirror::MirrorState;

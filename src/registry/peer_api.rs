@@ -22,6 +22,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use hyper::upgrade::OnUpgrade;
 use tokio::sync::watch;
 
 use super::ApiError;
@@ -30,6 +31,7 @@ use super::integrity::{Check, Integrity};
 use super::local::Local;
 use super::peer::ClaimAnswer;
 use super::request::{self, Listener, Request};
+use super::zero_copy;
 use crate::coalesce::inflight::{Ingest, Landing};
 use crate::coalesce::{CLAIM_PATH, Coalescer, FOLLOW_HEADER};
 use crate::metrics::{Metrics, ReasonLabels};
@@ -57,6 +59,8 @@ pub struct PeerApiState {
     pub coalesce: Option<Arc<Coalescer>>,
     /// Checks a blob against its digest before it is served (`None`: served unchecked).
     pub integrity: Option<Arc<Integrity>>,
+    /// Accept the zero-copy upgrade when the asker offers it (`zero_copy.rs`).
+    pub zero_copy: bool,
 }
 
 impl std::fmt::Debug for PeerApiState {
@@ -122,12 +126,11 @@ async fn claim(
     axum::Json(ClaimAnswer::from_grant(&grant)).into_response()
 }
 
-async fn handle(
-    State(api): State<Arc<PeerApi>>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-) -> Response {
+async fn handle(State(api): State<Arc<PeerApi>>, mut request: axum::extract::Request) -> Response {
+    // The connection itself, for a blob the asker takes with `sendfile` (`zero_copy.rs`).
+    let on_upgrade = request.extensions_mut().remove::<OnUpgrade>();
+    let (parts, _) = request.into_parts();
+    let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
     let state = &api.state;
     request::handle(
         Listener::Peer,
@@ -135,12 +138,16 @@ async fn handle(
         &state.registries,
         (&method, &uri, &headers),
         || authorize(state, &method, &uri, &headers),
-        |req| answer(&api, req),
+        |req| answer(&api, req, on_upgrade),
     )
     .await
 }
 
-async fn answer(api: &PeerApi, req: Request<'_>) -> Result<Response, ApiError> {
+async fn answer(
+    api: &PeerApi,
+    req: Request<'_>,
+    on_upgrade: Option<OnUpgrade>,
+) -> Result<Response, ApiError> {
     if let (Some(coalesce), Some(digest), true) = (
         &api.state.coalesce,
         by_digest(&req.path),
@@ -162,7 +169,11 @@ async fn answer(api: &PeerApi, req: Request<'_>) -> Result<Response, ApiError> {
                 .manifest(req.head, req.ns.as_deref(), name, reference.clone())
                 .await
         }
-        ApiPath::Blob { digest, .. } => stored_blob(api, &req, digest).await,
+        ApiPath::Blob { digest, .. } => {
+            let zero_copy =
+                on_upgrade.filter(|_| api.state.zero_copy && zero_copy::offered(req.headers));
+            stored_blob(api, &req, digest, zero_copy).await
+        }
         ApiPath::Upload { .. } | ApiPath::TagsList { .. } => Err(ApiError::Unsupported),
     }
 }
@@ -170,11 +181,12 @@ async fn answer(api: &PeerApi, req: Request<'_>) -> Result<Response, ApiError> {
 /// A blob from this node's store, unless its file no longer matches its digest
 /// (`integrity.rs`): then a 404, and the asking node goes elsewhere at once. Also on the
 /// follow path: a leader's lease outlives its download, and a follower that comes after the
-/// commit is served the stored blob.
+/// commit is served the stored blob. `zero_copy`: sent with `sendfile` (`zero_copy.rs`).
 async fn stored_blob(
     api: &PeerApi,
     req: &Request<'_>,
     digest: &Digest,
+    zero_copy: Option<OnUpgrade>,
 ) -> Result<Response, ApiError> {
     if let Some(integrity) = &api.state.integrity
         && !req.head
@@ -182,7 +194,9 @@ async fn stored_blob(
     {
         return Err(ApiError::BlobUnknown);
     }
-    api.local.blob(req.head, req.headers, digest).await
+    api.local
+        .blob(req.head, req.headers, digest, zero_copy)
+        .await
 }
 
 fn by_digest(path: &ApiPath) -> Option<&Digest> {
@@ -211,7 +225,7 @@ async fn in_flight(
                     .manifest(req.head, None, name, reference.clone())
                     .await
             }
-            _ => stored_blob(api, req, digest).await,
+            _ => stored_blob(api, req, digest, None).await,
         }
     };
     if let Ok(response) = complete().await {

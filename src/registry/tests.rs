@@ -98,6 +98,7 @@ async fn call_at(
                 exposed,
                 coalesce: None,
                 integrity: None,
+                zero_copy: true,
             })
         }
     };

@@ -1,6 +1,7 @@
 //! An in-memory [`ContentStore`] for unit tests of the logic above the store.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
 use bytes::Bytes;
@@ -17,6 +18,9 @@ use crate::oci::{ByteRange, Digest};
 pub struct MemoryStore {
     inner: RwLock<Inner>,
     changes: broadcast::Sender<Change>,
+    /// Also keep each blob as a file here, as containerd's content directory does (for tests
+    /// of what is sent from files: `ContentStore::blob_file`).
+    files: Option<PathBuf>,
 }
 
 impl Default for MemoryStore {
@@ -24,6 +28,7 @@ impl Default for MemoryStore {
         Self {
             inner: RwLock::default(),
             changes: broadcast::channel(CHANGE_BUFFER).0,
+            files: None,
         }
     }
 }
@@ -46,11 +51,19 @@ impl MemoryStore {
         Self::default()
     }
 
+    /// A store that also writes every blob to a file named by its hex digest under `dir`.
+    pub fn with_files(dir: &Path) -> Self {
+        Self {
+            files: Some(dir.to_path_buf()),
+            ..Self::default()
+        }
+    }
+
     /// Stores `data` and returns its digest.
     pub fn put(&self, data: impl Into<Bytes>) -> Digest {
         let data = data.into();
         let digest = Digest::sha256_of(&data);
-        self.write().blobs.insert(digest.clone(), data);
+        self.put_as(&digest, data);
         digest
     }
 
@@ -61,7 +74,15 @@ impl MemoryStore {
     /// Stores `data` under a digest it may not match: for tests of what happens when a store
     /// holds corrupt content.
     pub fn put_as(&self, digest: &Digest, data: impl Into<Bytes>) {
-        self.write().blobs.insert(digest.clone(), data.into());
+        let data = data.into();
+        if let Some(dir) = &self.files {
+            // Written whole under another name first: a reader never sees half a file.
+            let partial = dir.join(format!("{}.partial", digest.hex()));
+            std::fs::write(&partial, &data)
+                .and_then(|()| std::fs::rename(&partial, dir.join(digest.hex())))
+                .unwrap_or_else(|e| panic!("memory store's file of {digest}: {e}"));
+        }
+        self.write().blobs.insert(digest.clone(), data);
     }
 
     /// Names an image: `<registry>/<repo>:<tag>` points at `manifest` of `media_type`.
@@ -145,6 +166,14 @@ impl ContentStore for MemoryStore {
             .map(|i| Ok(blob.slice(i..(i + CHUNK_BYTES).min(blob.len()))))
             .collect();
         Ok(Box::pin(futures::stream::iter(chunks)))
+    }
+
+    fn blob_file(&self, digest: &Digest) -> Option<PathBuf> {
+        let dir = self.files.as_ref()?;
+        self.read()
+            .blobs
+            .contains_key(digest)
+            .then(|| dir.join(digest.hex()))
     }
 
     async fn healthy(&self) -> bool {

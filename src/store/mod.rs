@@ -85,6 +85,13 @@ pub trait ContentStore: Send + Sync + 'static {
         range: Option<ByteRange>,
     ) -> Result<ByteStream, StoreError>;
 
+    /// The committed file holding `digest`'s bytes, when the store keeps content as files this
+    /// process may read (containerd's content directory): the peer address sends it with
+    /// `sendfile`. The caller checks the file's size against [`ContentStore::descriptor`].
+    fn blob_file(&self, _digest: &Digest) -> Option<std::path::PathBuf> {
+        None
+    }
+
     /// Does the store answer at all? Drives `/readyz` and the `containerd_up` metric.
     async fn healthy(&self) -> bool;
 

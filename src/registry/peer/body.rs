@@ -20,6 +20,7 @@ use futures::{Stream, StreamExt};
 use super::client::{PeerCall, PeerClient};
 use super::failure::PeerFailure;
 use super::health::PeerHealth;
+use super::response::PeerResponse;
 use crate::metrics::Metrics;
 use crate::oci::digest::Hasher;
 use crate::oci::{self, Digest};
@@ -55,7 +56,7 @@ impl Resume {
         peer: &Peer,
         start: u64,
         end: u64,
-    ) -> Result<reqwest::Response, PeerFailure> {
+    ) -> Result<PeerResponse, PeerFailure> {
         let range = format!("bytes={start}-{end}");
         let call = PeerCall {
             method: &Method::GET,
@@ -107,9 +108,9 @@ pub struct Fetch {
 
 impl Fetch {
     /// Reads the transfer's extent from a peer's 200 or 206 response.
-    pub fn from_response(response: &reqwest::Response, digest: Digest) -> Option<Fetch> {
+    pub fn from_response(response: &PeerResponse, digest: Digest) -> Option<Fetch> {
         let len = response.content_length()?;
-        if response.status() == reqwest::StatusCode::PARTIAL_CONTENT {
+        if response.status() == StatusCode::PARTIAL_CONTENT {
             let (start, end, total) =
                 content_range(response.headers().get("content-range")?.to_str().ok()?)?;
             (end + 1 - start == len).then_some(Fetch {
@@ -169,7 +170,7 @@ pub fn content_range(v: &str) -> Option<(u64, u64, u64)> {
 pub struct ResumingBody {
     fetch: Fetch,
     peer: Peer,
-    current: BoxStream<'static, reqwest::Result<Bytes>>,
+    current: BoxStream<'static, std::io::Result<Bytes>>,
     remaining: VecDeque<Peer>,
     resumer: Resume,
     sent: u64,
@@ -181,7 +182,7 @@ impl ResumingBody {
     pub fn new(
         fetch: Fetch,
         peer: Peer,
-        first: BoxStream<'static, reqwest::Result<Bytes>>,
+        first: BoxStream<'static, std::io::Result<Bytes>>,
         remaining: Vec<Peer>,
         resumer: Resume,
     ) -> Self {
@@ -272,7 +273,7 @@ impl ResumingBody {
                 continue;
             }
             tracing::info!(digest = %self.fetch.digest, offset = from, peer = %next.id, "resuming blob on the next provider");
-            self.current = response.bytes_stream().boxed();
+            self.current = response.bytes_stream();
             self.peer = next;
             return Ok(());
         }

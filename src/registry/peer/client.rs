@@ -9,11 +9,12 @@ use bytes::Bytes;
 use futures::StreamExt;
 
 use super::failure::PeerFailure;
+use super::response::PeerResponse;
 use crate::coalesce::leases::Grant;
 use crate::coalesce::{CLAIM_PATH, FOLLOW_HEADER};
 use crate::metrics::Metrics;
 use crate::oci::{self, Digest};
-use crate::registry::HOP_HEADER;
+use crate::registry::{HOP_HEADER, zero_copy};
 use crate::routing::Peer;
 use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
 
@@ -30,6 +31,8 @@ pub struct PeerClient {
     pub first_byte: Duration,
     /// Longest silence in a peer's body.
     pub idle: Duration,
+    /// Blob GETs offer the zero-copy upgrade (`registry::zero_copy`).
+    zero_copy: bool,
 }
 
 /// One request to a peer: what, where, and whether the leader may answer from a download in
@@ -62,7 +65,13 @@ impl PeerClient {
             secret,
             first_byte,
             idle,
+            zero_copy: true,
         })
+    }
+
+    /// Whether blob GETs offer the zero-copy upgrade (on unless `--zero-copy false`).
+    pub fn offering_zero_copy(self, zero_copy: bool) -> Self {
+        PeerClient { zero_copy, ..self }
     }
 
     /// Sends `call` to `peer` and waits for the response headers (any status).
@@ -71,7 +80,7 @@ impl PeerClient {
         peer: &Peer,
         call: PeerCall<'_>,
         metrics: &Metrics,
-    ) -> Result<reqwest::Response, PeerFailure> {
+    ) -> Result<PeerResponse, PeerFailure> {
         let target = path_and_query(call.path, call.ns);
         let mut request = self
             .client
@@ -89,6 +98,12 @@ impl PeerClient {
         if call.path.contains("/manifests/") {
             request = request.header(header::ACCEPT, MANIFEST_ACCEPT);
         }
+        // A stored blob may come straight from the peer's page cache (`zero_copy.rs`).
+        if self.zero_copy && call.method == Method::GET && call.path.contains("/blobs/") {
+            let mut offer = axum::http::HeaderMap::new();
+            zero_copy::offer(&mut offer);
+            request = request.headers(offer);
+        }
         // A leader answers once its download has started: its wait is part of ours.
         let first_byte = match call.follow {
             Some(wait) => {
@@ -98,14 +113,21 @@ impl PeerClient {
             None => self.first_byte,
         };
         let started = Instant::now();
-        match tokio::time::timeout(first_byte, request.send()).await {
+        let answered = async {
+            let response = request
+                .send()
+                .await
+                .map_err(|e| PeerFailure::Connect(e.to_string()))?;
+            PeerResponse::read(response).await
+        };
+        match tokio::time::timeout(first_byte, answered).await {
             Ok(Ok(r)) => {
                 if call.follow.is_some() {
                     metrics.follow_wait.observe(started.elapsed().as_secs_f64());
                 }
                 Ok(r)
             }
-            Ok(Err(e)) => Err(PeerFailure::Connect(e.to_string())),
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(PeerFailure::FirstByte),
         }
     }
@@ -138,6 +160,7 @@ impl PeerClient {
                 return None;
             }
         };
+        let response = PeerResponse::read(response).await.ok()?;
         let body = read_capped(response, MAX_CLAIM_ANSWER, self.idle)
             .await
             .ok()?;
@@ -209,7 +232,7 @@ pub fn path_and_query(path: &str, ns: Option<&str>) -> String {
 
 /// Reads a body of at most `limit` bytes, each chunk within `idle`.
 pub async fn read_capped(
-    response: reqwest::Response,
+    response: PeerResponse,
     limit: u64,
     idle: Duration,
 ) -> Result<Bytes, PeerFailure> {

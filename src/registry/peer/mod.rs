@@ -11,6 +11,7 @@ mod body;
 pub mod client;
 pub mod failure;
 mod health;
+pub mod response;
 pub mod test_pull;
 
 use std::collections::HashMap;
@@ -21,7 +22,7 @@ use axum::body::Body;
 use axum::http::{Method, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 
 use crate::coalesce::ClaimSender;
 use crate::coalesce::leases::Grant;
@@ -35,6 +36,7 @@ use body::{Fetch, Resume, ResumingBody};
 pub use client::{ClaimAnswer, PeerCall, PeerClient};
 pub use failure::PeerFailure;
 use health::PeerHealth;
+use response::PeerResponse;
 
 /// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
 const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
@@ -68,6 +70,9 @@ pub struct PeerFetchConfig {
     pub idle_timeout: Duration,
     /// Blobs up to this size are fetched whole and verified before the first byte is served.
     pub verify_before_serving: u64,
+    /// Offer other nodes the zero-copy upgrade for blobs, and accept it when they offer it
+    /// (`registry::zero_copy`).
+    pub zero_copy: bool,
 }
 
 impl PeerFetchConfig {
@@ -79,6 +84,7 @@ impl PeerFetchConfig {
             first_byte_timeout: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(5),
             verify_before_serving: MAX_MANIFEST_BYTES,
+            zero_copy: true,
         }
     }
 }
@@ -120,7 +126,8 @@ impl PeerFetcher {
             config.first_byte_timeout,
             config.idle_timeout,
             secret,
-        )?;
+        )?
+        .offering_zero_copy(config.zero_copy);
         Ok(PeerFetcher {
             router,
             client,
@@ -217,7 +224,7 @@ impl PeerFetcher {
                     }
                 }
             }
-            let first = response.bytes_stream().boxed();
+            let first = response.bytes_stream();
             let remaining: Vec<Peer> = candidates.collect();
             let resume = Resume {
                 client: self.client.clone(),
@@ -238,7 +245,7 @@ impl PeerFetcher {
     async fn verified_whole(
         &self,
         peer: &Peer,
-        response: reqwest::Response,
+        response: PeerResponse,
         fetch: &Fetch,
         path: &str,
         ns: Option<&str>,
@@ -488,7 +495,7 @@ impl ClaimSender for PeerFetcher {
 }
 
 /// The peer's status and the headers that describe the content, with our body.
-fn forward_headers(response: &reqwest::Response, body: Body) -> Response {
+fn forward_headers(response: &PeerResponse, body: Body) -> Response {
     let mut out = Response::builder().status(response.status());
     for name in [
         header::CONTENT_TYPE,

@@ -162,6 +162,10 @@ impl ContentStore for ContainerdStore {
         }
     }
 
+    fn blob_file(&self, digest: &Digest) -> Option<PathBuf> {
+        Some(files::blob_path(&self.content_dir, digest))
+    }
+
     async fn healthy(&self) -> bool {
         let mut client = VersionClient::new(self.channel.clone());
         matches!(

@@ -1,0 +1,101 @@
+//! A peer's answer, whichever way its body comes: a plain HTTP response, or the raw bytes
+//! after a `101` of `zero_copy.rs` (the peer sent a stored blob with `sendfile`). The status
+//! and headers are those of the 200 or 206 the peer would have sent, so every caller handles
+//! both alike.
+
+use std::io;
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use tokio::io::AsyncReadExt;
+use tokio_util::io::ReaderStream;
+
+use super::failure::PeerFailure;
+use crate::registry::zero_copy;
+
+/// Read size on an upgraded connection: large reads keep the per-chunk work (hashing call,
+/// a frame to containerd) small next to the bytes.
+const RAW_READ_BYTES: usize = 256 * 1024;
+
+pub struct PeerResponse {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: BoxStream<'static, io::Result<Bytes>>,
+}
+
+impl std::fmt::Debug for PeerResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerResponse")
+            .field("status", &self.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerResponse {
+    /// Reads `response`: a 101 of the zero-copy protocol is taken over, anything else is kept.
+    pub async fn read(response: reqwest::Response) -> Result<PeerResponse, PeerFailure> {
+        if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+            return Ok(PeerResponse {
+                status: response.status(),
+                headers: response.headers().clone(),
+                body: response.bytes_stream().map_err(io::Error::other).boxed(),
+            });
+        }
+        let mut headers = response.headers().clone();
+        let number = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        let protocol = headers.get(header::UPGRADE).and_then(|v| v.to_str().ok());
+        let (Some(status), Some(len), true) = (
+            number(zero_copy::STATUS_HEADER).and_then(|s| StatusCode::from_u16(s as u16).ok()),
+            number(zero_copy::LENGTH_HEADER),
+            protocol.is_some_and(|p| p.eq_ignore_ascii_case(zero_copy::PROTOCOL)),
+        ) else {
+            return Err(PeerFailure::Status(StatusCode::SWITCHING_PROTOCOLS));
+        };
+        let upgraded = response
+            .upgrade()
+            .await
+            .map_err(|e| PeerFailure::Connect(e.to_string()))?;
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        for name in [zero_copy::STATUS_HEADER, zero_copy::LENGTH_HEADER] {
+            headers.remove(name);
+        }
+        for name in [header::UPGRADE, header::CONNECTION] {
+            headers.remove(name);
+        }
+        // Exactly the announced bytes: the peer closes the connection after them, and a short
+        // body ends early (the caller resumes elsewhere).
+        let body = ReaderStream::with_capacity(upgraded.take(len), RAW_READ_BYTES).boxed();
+        Ok(PeerResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The announced length of the body (`Content-Length`).
+    pub fn content_length(&self) -> Option<u64> {
+        self.headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    }
+
+    pub fn bytes_stream(self) -> BoxStream<'static, io::Result<Bytes>> {
+        self.body
+    }
+}
