@@ -273,12 +273,7 @@ fn main() {
             "nodes": opts.nodes, "upstream_rate": opts.rate,
             "storm": results,
         });
-        std::fs::create_dir_all(&opts.out).unwrap();
-        std::fs::write(
-            opts.out.join("storm.json"),
-            serde_json::to_string_pretty(&report).unwrap(),
-        )
-        .unwrap();
+        write_report(&opts.out, "storm.json", &report);
         storm::chart(&report, &opts.out.join("storm.png"));
         println!("{}", storm::table(&report));
         drop(nodes);
@@ -300,12 +295,7 @@ fn main() {
             "nodes": opts.nodes,
             "last_hop": rounds,
         });
-        std::fs::create_dir_all(&opts.out).unwrap();
-        std::fs::write(
-            opts.out.join("last_hop.json"),
-            serde_json::to_string_pretty(&report).unwrap(),
-        )
-        .unwrap();
+        write_report(&opts.out, "last_hop.json", &report);
         println!("{}", last_hop::table(&report));
         drop(nodes);
         drop((cache, near_registry, registry, tmp));
@@ -424,18 +414,23 @@ fn main() {
         "results": results,
         "components": components,
     });
-    std::fs::create_dir_all(&opts.out).unwrap();
-    std::fs::write(
-        opts.out.join("cluster.json"),
-        serde_json::to_string_pretty(&report).unwrap(),
-    )
-    .unwrap();
+    write_report(&opts.out, "cluster.json", &report);
     report::chart(&report, &opts.out.join("cluster.png"));
     println!("{}", report::table(&report));
     println!("{}", report::components(&report));
     drop(nodes);
     drop((cache, near_registry, registry, tmp));
     drop(net);
+}
+
+/// Writes `report` as `<out>/<name>`, pretty-printed.
+fn write_report(out: &Path, name: &str, report: &Value) {
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::write(
+        out.join(name),
+        serde_json::to_string_pretty(report).unwrap(),
+    )
+    .unwrap();
 }
 
 fn machine() -> Value {

@@ -450,22 +450,8 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
     let cut_at = 1_000_000;
     let dying = dying_peer(bytes.clone(), cut_at).await;
     // The memory router lists providers by ID: the dying peer comes first.
-    network
-        .node(Peer {
-            id: "a-dying".into(),
-            addr: dying,
-        })
-        .advertise(vec![layer.clone()])
-        .await
-        .unwrap();
-    network
-        .node(Peer {
-            id: "b-good".into(),
-            addr: good.peer,
-        })
-        .advertise(vec![layer.clone()])
-        .await
-        .unwrap();
+    advertise(&network, "a-dying", dying, &layer).await;
+    advertise(&network, "b-good", good.peer, &layer).await;
 
     // Both paths: the blob (3 MiB) is verified whole before serving under the default limit
     // (4 MiB), and streamed with resume when the limit is lower.
@@ -543,6 +529,18 @@ async fn a_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
     }
 }
 
+/// Lists the node `id` at `addr` as a provider of `key` on `network`.
+async fn advertise(network: &MemoryNetwork, id: &str, addr: SocketAddr, key: &str) {
+    network
+        .node(Peer {
+            id: id.into(),
+            addr,
+        })
+        .advertise(vec![key.to_string()])
+        .await
+        .unwrap();
+}
+
 /// A node whose store keeps its blobs as files (as containerd does), advertised as `id`.
 async fn file_node(
     dir: &std::path::Path,
@@ -554,14 +552,7 @@ async fn file_node(
     let store = Arc::new(MemoryStore::with_files(&files));
     let (layer, bytes) = image(&store);
     let node = run_node(dir, store, |http| memory_peering(network, id, http)).await;
-    network
-        .node(Peer {
-            id: id.into(),
-            addr: node.peer,
-        })
-        .advertise(vec![layer.clone()])
-        .await
-        .unwrap();
+    advertise(network, id, node.peer, &layer).await;
     (node, layer, bytes)
 }
 
@@ -644,14 +635,7 @@ async fn a_zero_copy_peer_dying_mid_blob_is_resumed_on_the_next_provider() {
     let cut_at = 1_000_000;
     let dying = dying_peer_speaking(bytes.clone(), cut_at, true).await;
     // Listed by ID: the dying peer is asked first.
-    network
-        .node(Peer {
-            id: "a-dying".into(),
-            addr: dying,
-        })
-        .advertise(vec![layer.clone()])
-        .await
-        .unwrap();
+    advertise(&network, "a-dying", dying, &layer).await;
     let asker = run_node(
         &tmp.path().join("asker"),
         Arc::new(MemoryStore::new()),
@@ -697,14 +681,7 @@ async fn a_peer_serving_wrong_bytes_is_quarantined_and_ferry_status_says_so() {
     let liar = lying_peer(bytes.clone()).await;
     // Listed by ID: the liar is asked first.
     for (id, addr) in [("a-liar", liar), ("b-good", good.peer)] {
-        network
-            .node(Peer {
-                id: id.into(),
-                addr,
-            })
-            .advertise(vec![layer.clone()])
-            .await
-            .unwrap();
+        advertise(&network, id, addr, &layer).await;
     }
     let asker = run_node(
         &tmp.path().join("asker"),
