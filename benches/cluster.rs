@@ -154,6 +154,13 @@ fn completed(registry: &Registry) -> usize {
 /// A plain hosts dir that sends `node` straight to `server` (optionally through `via` first).
 pub fn hosts_dir(node: &Node, name: &str, server: SocketAddr, via: Option<SocketAddr>) -> PathBuf {
     let dir = node.dir.join(name);
+    write_hosts(&dir, server, via);
+    dir
+}
+
+/// `<dir>/<server>/hosts.toml`: the plain-HTTP `server`, tried after `via` when there is one.
+/// Returns the file.
+pub fn write_hosts(dir: &Path, server: SocketAddr, via: Option<SocketAddr>) -> PathBuf {
     let host = dir.join(server.to_string());
     std::fs::create_dir_all(&host).unwrap();
     let mut text = format!("server = \"http://{server}\"\n");
@@ -165,8 +172,9 @@ pub fn hosts_dir(node: &Node, name: &str, server: SocketAddr, via: Option<Socket
     text.push_str(&format!(
         "\n[host.\"http://{server}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
     ));
-    std::fs::write(host.join("hosts.toml"), text).unwrap();
-    dir
+    let file = host.join("hosts.toml");
+    std::fs::write(&file, text).unwrap();
+    file
 }
 
 fn main() {

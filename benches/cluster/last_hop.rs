@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use super::support::cluster::Node;
 use super::support::{Image, Registry, wait_for};
-use super::{hosts_dir, median};
+use super::{hosts_dir, median, write_hosts};
 
 /// Pulls of each kind per image shape, alternated.
 const RUNS: usize = 3;
@@ -39,18 +39,8 @@ fn cpu_s(pid: u32) -> f64 {
 }
 
 /// Blob bytes this node's mirror sent its containerd that came from other nodes.
-fn peer_bytes(node: &Node) -> u64 {
-    node.metrics()
-        .lines()
-        .filter(|l| l.starts_with("ferry_served_bytes_total{"))
-        .filter(|l| {
-            l.contains("listener=\"mirror\"")
-                && l.contains("kind=\"blob\"")
-                && l.contains("source=\"peer\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
-}
+const PEER_BYTES: &str =
+    "ferry_served_bytes_total{listener=\"mirror\",kind=\"blob\",source=\"peer\"}";
 
 /// The CPU seconds of the processes on a pull's path, while `pull` runs; and its wall time.
 /// Dirty pages are written out first: the image pushed to the registry and, on the peer path,
@@ -86,14 +76,7 @@ fn median_cpu(runs: &[Value]) -> Value {
 /// The operator's entry for the registry next door (plain HTTP) in `node`'s containerd hosts
 /// dir, once its Ferry has merged its mirror into it (Ferry re-reads the dir every minute).
 fn operator_entry(node: &Node, registry: SocketAddr) {
-    let dir = node.containerd.hosts_dir.join(registry.to_string());
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("hosts.toml");
-    std::fs::write(
-        &file,
-        format!("server = \"http://{registry}\"\n\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"),
-    )
-    .unwrap();
+    let file = write_hosts(&node.containerd.hosts_dir, registry, None);
     let started = Instant::now();
     while !std::fs::read_to_string(&file).is_ok_and(|t| t.contains(BLOCK_BEGIN)) {
         assert!(
@@ -206,7 +189,7 @@ fn round(
         wait_for("the holder advertises the image", || {
             holder.metric("ferry_keys_advertised") >= advertised + layers as u64 + 2
         });
-        let from_peers = peer_bytes(puller);
+        let from_peers = puller.metric(PEER_BYTES);
         let zero_copy_before = holder.metric("ferry_zero_copy_bytes_total");
         let procs = [
             ("serving_ferry", holder.ferry.pid()),
@@ -222,7 +205,7 @@ fn round(
         // What the column claims: every layer byte came from the other node, sent the way
         // the row says.
         let layer_bytes = (total / layers * layers) as u64;
-        let got = peer_bytes(puller) - from_peers;
+        let got = puller.metric(PEER_BYTES) - from_peers;
         assert!(
             got >= layer_bytes,
             "{name}: {got} bytes from peers, the layers hold {layer_bytes}"
