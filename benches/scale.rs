@@ -40,7 +40,7 @@ use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
 use ferry::problems::Problems;
 use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
-use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
+use ferry::routing::p2p::{DEFAULT_BOOTSTRAP_DIALS, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -48,8 +48,6 @@ use tokio_util::sync::CancellationToken;
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 const P2P_BASE: u16 = 20_000;
 const HTTP_BASE: u16 = 40_000;
-/// Nodes each node bootstraps from (random earlier ones): Kademlia finds the rest.
-const BOOTSTRAP_PEERS: usize = 3;
 /// The interval a production node re-announces at (`--reprovide-interval`), whose mean round
 /// (75-100% of it) the steady-state traffic is scaled to.
 const DEFAULT_INTERVAL_S: f64 = 600.0;
@@ -488,9 +486,10 @@ fn worker(args: &[String]) {
 /// Node `i` (its address), holding `owner`'s keys, its identity in `identity` (a directory name).
 fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode {
     let port = |base: u16| SocketAddr::new(LOOPBACK, base + i as u16);
-    // Random earlier nodes (node 0 has none; it waits for the others to dial it).
-    let addrs = (0..BOOTSTRAP_PEERS.min(i))
-        .map(|_| rand_below(i))
+    // Every earlier node, as the Kubernetes bootstrap lists every Ferry pod: Ferry dials
+    // a few of them (`--bootstrap-dials`) and Kademlia finds the rest. Node 0 has none; it
+    // waits for the others to dial it.
+    let addrs = (0..i)
         .map(|j| tcp_multiaddr(LOOPBACK, P2P_BASE + j as u16))
         .collect();
     let metrics = Arc::new(Metrics::new());
@@ -503,6 +502,7 @@ fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode 
         timing: shape.timing,
         psk: None,
         simulated_latency: shape.latency,
+        bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
     };
     let (router, task) = P2pRouter::start(
         config,

@@ -235,6 +235,7 @@ impl PeerSetup {
                 },
                 psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
                 simulated_latency: None,
+                bootstrap_dials: settings.bootstrap_dials,
             },
             bootstrap: Bootstraps(sources),
             bootstrap_configured: !settings.bootstrap_peers.is_empty()
@@ -332,8 +333,7 @@ pub async fn serve(
     let peers = match peering {
         Peering::Off => None,
         Peering::P2p(mut setup) => {
-            let kubernetes =
-                start_kubernetes_bootstrap(&config, kube.as_ref(), &setup, &token, &tracker);
+            let kubernetes = kubernetes_bootstrap(&config, kube.as_ref(), &setup);
             let reporting = (&metrics, &problems);
             start_router(&mut setup, kubernetes, reporting, &token, &tracker).map(|router| {
                 (
@@ -540,29 +540,23 @@ fn watch_upstream(
     }
 }
 
-/// Watches Ferry's pods when `--bootstrap-kubernetes` is set and there is an API client.
-fn start_kubernetes_bootstrap(
+/// Ferry's pods as a bootstrap source, when `--bootstrap-kubernetes` is set and there is an
+/// API client (listed only while no peer is connected; see `kubernetes::bootstrap`).
+fn kubernetes_bootstrap(
     config: &Config,
     client: Option<&kube::Client>,
     setup: &PeerSetup,
-    token: &CancellationToken,
-    tracker: &TaskTracker,
 ) -> Option<KubernetesBootstrap> {
     let selector = config.kubernetes.bootstrap_selector.as_deref()?;
     let client = client?;
     let namespace = kubernetes::namespace(config.kubernetes.namespace.as_deref(), client);
-    let (bootstrap, task) = KubernetesBootstrap::start(
+    tracing::info!(%namespace, %selector, "bootstrapping peers from the Kubernetes API");
+    Some(KubernetesBootstrap::new(
         client.clone(),
         &namespace,
         selector,
         setup.p2p.listen.port(),
-        token.clone(),
-    );
-    tracker.spawn(async move {
-        let _ = task.await;
-    });
-    tracing::info!(%namespace, %selector, "bootstrapping peers from the Kubernetes API");
-    Some(bootstrap)
+    ))
 }
 
 /// Starts the libp2p node. A failure (unreadable key, port in use) leaves Ferry serving this

@@ -138,6 +138,9 @@ pub struct Flags {
     /// A DNS name whose A/AAAA records are nodes to dial (at the p2p port)
     #[arg(long, global = true, env = "FERRY_BOOTSTRAP_DNS", value_name = "NAME")]
     pub bootstrap_dns: Option<String>,
+    /// Bootstrap addresses dialled at once, drawn at random; Kademlia finds the rest [default: 3]
+    #[arg(long, global = true, env = "FERRY_BOOTSTRAP_DIALS", value_name = "N")]
+    pub bootstrap_dials: Option<String>,
     /// How long a provider lookup may take before a miss goes upstream [default: 20ms]
     #[arg(long, global = true, env = "FERRY_RESOLVE_TIMEOUT", value_name = "DUR")]
     pub resolve_timeout: Option<String>,
@@ -282,6 +285,7 @@ impl Flags {
             ("advertise-addr", &self.advertise_addr),
             ("bootstrap-peers", &self.bootstrap_peers),
             ("bootstrap-dns", &self.bootstrap_dns),
+            ("bootstrap-dials", &self.bootstrap_dials),
             ("resolve-timeout", &self.resolve_timeout),
             ("resolve-tags", &self.resolve_tags),
             ("coalesce", &self.coalesce),

@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 37] = [
+pub const KEYS: [(&str, &str); 38] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -32,6 +32,7 @@ pub const KEYS: [(&str, &str); 37] = [
     ("advertise-addr", ""),
     ("bootstrap-peers", ""),
     ("bootstrap-dns", ""),
+    ("bootstrap-dials", "3"),
     ("resolve-timeout", "20ms"),
     ("resolve-tags", "when-upstream-fails"),
     ("coalesce", "true"),
@@ -109,6 +110,8 @@ pub struct P2pSettings {
     pub advertise_addr: Option<IpAddr>,
     pub bootstrap_peers: Vec<libp2p::Multiaddr>,
     pub bootstrap_dns: Option<String>,
+    /// Bootstrap addresses dialled at once; Kademlia finds the rest of the network.
+    pub bootstrap_dials: usize,
     pub resolve_timeout: Duration,
     pub resolve_tags: ResolveTags,
     /// `Some(follow timeout)` when simultaneous misses are coordinated (`coalesce`).
@@ -312,6 +315,12 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
     {
         return Err(err("bootstrap-dns", format!("{name:?} is not a DNS name")));
     }
+    let dials = value("bootstrap-dials");
+    let bootstrap_dials = dials
+        .parse::<usize>()
+        .ok()
+        .filter(|n| (1..=1000).contains(n))
+        .ok_or_else(|| err("bootstrap-dials", format!("{dials:?}: expected 1 to 1000")))?;
     let provide_ttl = duration("provide-ttl", &value("provide-ttl"))?;
     let reprovide_interval = duration("reprovide-interval", &value("reprovide-interval"))?;
     if reprovide_interval >= provide_ttl {
@@ -326,6 +335,7 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         advertise_addr,
         bootstrap_peers,
         bootstrap_dns,
+        bootstrap_dials,
         resolve_timeout: duration("resolve-timeout", &value("resolve-timeout"))?,
         resolve_tags: resolve_tags(value)?,
         coalesce: boolean("coalesce", &value("coalesce"))?

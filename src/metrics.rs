@@ -173,6 +173,7 @@ pub struct Metrics {
     pub config_problems: Family<ProblemLabels, Gauge>,
     pub peer_handshake_failures: Family<DirectionLabels, Counter>,
     pub dht_requests: Family<DhtLabels, Counter>,
+    pub bootstrap_dials: Counter,
 }
 
 impl Default for Metrics {
@@ -347,6 +348,12 @@ impl Metrics {
             "Peer connections that reached the other side but failed the handshake (usually a different cluster secret), by direction",
             peer_handshake_failures.clone(),
         );
+        let bootstrap_dials = Counter::default();
+        registry.register(
+            "bootstrap_dials",
+            "Dials of addresses named by the bootstrap sources (a few at a time, only while no peer is connected; Kademlia finds the rest)",
+            bootstrap_dials.clone(),
+        );
         let dht_requests = Family::<DhtLabels, Counter>::default();
         registry.register(
             "dht_requests_received",
@@ -404,6 +411,7 @@ impl Metrics {
             corrupt_blobs,
             config_problems,
             peer_handshake_failures,
+            bootstrap_dials,
             dht_requests,
         }
     }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use ferry::metrics::{DhtLabels, Metrics};
 use ferry::problems::Problems;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
-use ferry::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
+use ferry::routing::p2p::{DEFAULT_BOOTSTRAP_DIALS, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use ferry::routing::{Peer, Router};
 use ferry::trust::ClusterSecret;
 use tokio::task::JoinHandle;
@@ -81,6 +81,7 @@ fn start_with(
         peer_http_addr: http,
         timing,
         simulated_latency: None,
+        bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
     };
     let addrs = bootstrap
         .iter()

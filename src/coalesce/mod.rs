@@ -5,8 +5,12 @@
 //!
 //! How the nodes agree, with no extra component:
 //! 1. A miss (not in this node's store, no complete provider in the DHT) picks the digest's
-//!    *coordinator* by rendezvous hashing over the live member set, this node included
-//!    (`rendezvous.rs`): no message, and nodes that see the same members agree.
+//!    *coordinator*: the node whose ID is XOR-closest to the digest's key, this node
+//!    included, from the DHT walk that has just found no provider (`routing::p2p::closest`).
+//!    Every node's walk for a key ends at the same closest nodes, so nodes agree without
+//!    being connected to each other (each node holds only a few dozen connections). A router
+//!    that cannot tell (the in-memory one of tests) falls back to rendezvous hashing over the
+//!    nodes it is connected to (`rendezvous.rs`).
 //! 2. It claims the digest there: one signed request to the coordinator's peer address (or a
 //!    call, when it is the coordinator), bounded by [`CLAIM_TIMEOUT`]. The coordinator's
 //!    lease table (`leases.rs`) answers *lead* to the first claimant and *follow <leader>* to
@@ -24,8 +28,9 @@
 //! Every step only makes a pull faster or hands it back at once: an unreachable or slow
 //! coordinator, a leader that never starts, dies or stalls all end in today's behaviour (a
 //! 404 and containerd going upstream, or a cut transfer that containerd resumes from the next
-//! host with a Range). Views of the member set that differ give two coordinators and so at
-//! worst two upstream fetches, never a failure.
+//! host with a Range). Walks that end at different closest nodes (nodes joining or leaving
+//! mid-storm, or a mixed-version rollout where older nodes still hash over their connected
+//! members) give two coordinators and so at worst two upstream fetches, never a failure.
 
 pub mod inflight;
 pub mod leases;
@@ -147,11 +152,10 @@ impl Coalescer {
         failed: Option<&Peer>,
     ) -> Decision {
         let me = self.router.local();
-        let members = self.router.members();
-        let everyone: Vec<&Peer> = members.iter().chain(std::iter::once(&me)).collect();
-        let Some(coordinator) = rendezvous::coordinator(digest, everyone.iter().copied()) else {
+        let Some(coordinator) = self.coordinator(digest, &me).await else {
             return Decision::Alone;
         };
+        let coordinator = &coordinator;
         let failed_id = failed.map(|p| p.id.as_str());
         let grant = if coordinator.id == me.id {
             Some(self.leases.claim(digest, &me, failed_id, Instant::now()))
@@ -232,6 +236,22 @@ impl Coalescer {
         self.count("local", result);
         tracing::debug!(%digest, result, "a second request of this node for a digest in transfer");
         (transfer, found)
+    }
+
+    /// Who coordinates `digest`: the router's pick (the XOR-closest node, from the DHT walk
+    /// the miss has just made), or, from a router that cannot tell, rendezvous hashing over
+    /// the nodes it is connected to.
+    async fn coordinator(&self, digest: &Digest, me: &Peer) -> Option<Peer> {
+        if let Some(picked) = self
+            .router
+            .coordinator(&crate::routing::digest_key(digest))
+            .await
+        {
+            return Some(picked);
+        }
+        let members = self.router.members();
+        let everyone = members.iter().chain(std::iter::once(me));
+        rendezvous::coordinator(digest, everyone).cloned()
     }
 
     /// The coordinator side of a claim from another node.

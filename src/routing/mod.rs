@@ -55,6 +55,13 @@ pub trait Router: Send + Sync + 'static {
     /// Providers of `key`, this node excluded.
     async fn lookup(&self, key: &str) -> PeerStream;
 
+    /// The node that coordinates `key` (see `coalesce`), this node included: the same node
+    /// for every node that asks, as far as the router can make it so. `None`: the router has
+    /// no way to tell (or could not in time), and the caller picks among [`Router::members`].
+    async fn coordinator(&self, _key: &str) -> Option<Peer> {
+        None
+    }
+
     /// Announces that this node serves `keys`.
     async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError>;
 

@@ -10,12 +10,15 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use libp2p::kad::{self, GetProvidersOk, QueryId, QueryResult};
 use libp2p::swarm::SwarmEvent;
+use libp2p::swarm::dial_opts::DialOpts;
 use libp2p::{PeerId, Swarm, identify};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::announcer::Announcer;
 use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, ProvideTiming, peer_addr_of};
+use super::closest::{Closest, Coordinator};
+use super::dials::BootstrapDials;
 use super::{Command, Status};
 use crate::metrics::{DhtLabels, DirectionLabels, Metrics};
 use crate::problems::Problems;
@@ -50,8 +53,11 @@ pub(crate) struct EventLoop {
     self_commands: mpsc::Sender<Command>,
     status: Arc<Status>,
     bootstrap: Arc<dyn Bootstrap>,
+    dials: BootstrapDials,
     metrics: Arc<Metrics>,
     problems: Arc<Problems>,
+    /// This node, as other nodes reach it.
+    local: Peer,
     /// HTTP peer addresses learned through identify, each with its peer's ID as text, encoded
     /// once here: base58 is slow, and the member list is published on every connection event
     /// (a profile of 300 simulated nodes had base58 at the top, 10% of the CPU).
@@ -61,6 +67,12 @@ pub(crate) struct EventLoop {
     /// Providers found before we knew their HTTP address: delivered once identify arrives,
     /// dropped (ending those lookups' streams) when the dial fails or the peer goes away.
     awaiting_identify: HashMap<PeerId, Vec<mpsc::Sender<Peer>>>,
+    /// The closest nodes of keys walked lately, for picking a key's coordinator.
+    closest: Closest,
+    /// Who waits for the coordinator of a key, until a walk for the key ends.
+    coordinator_waiting: HashMap<String, Vec<mpsc::Sender<Peer>>>,
+    /// Walks started for a coordinator (no other walk for the key was running or recent).
+    coordinator_walks: HashSet<QueryId>,
     announcer: Announcer,
     kad_bootstrapped: bool,
 }
@@ -71,22 +83,27 @@ impl EventLoop {
         commands: mpsc::Receiver<Command>,
         self_commands: mpsc::Sender<Command>,
         status: Arc<Status>,
-        bootstrap: Arc<dyn Bootstrap>,
+        (bootstrap, dials): (Arc<dyn Bootstrap>, BootstrapDials),
         (metrics, problems): (Arc<Metrics>, Arc<Problems>),
-        timing: ProvideTiming,
+        (timing, local): (ProvideTiming, Peer),
     ) -> Self {
         EventLoop {
+            closest: Closest::new(*swarm.local_peer_id()),
             swarm,
             commands,
             self_commands,
             status,
             bootstrap,
+            dials,
             announcer: Announcer::new(timing, metrics.clone()),
             metrics,
             problems,
+            local,
             http_addrs: HashMap::new(),
             lookups: HashMap::new(),
             awaiting_identify: HashMap::new(),
+            coordinator_waiting: HashMap::new(),
+            coordinator_walks: HashSet::new(),
             kad_bootstrapped: false,
         }
     }
@@ -156,16 +173,108 @@ impl EventLoop {
         );
     }
 
-    /// DNS can be slow: resolve off the loop, then dial through our own command queue.
+    /// DNS and the Kubernetes API can be slow: resolve off the loop, then dial a few of the
+    /// addresses through our own command queue.
     fn resolve_bootstrap(&self) {
         let bootstrap = self.bootstrap.clone();
         let commands = self.self_commands.clone();
         tokio::spawn(async move {
             let addrs = bootstrap.peers().await;
             if !addrs.is_empty() {
-                let _ = commands.send(Command::Dial { addrs }).await;
+                let _ = commands.send(Command::Bootstrap { addrs }).await;
             }
         });
+    }
+
+    /// Dials a few of `addrs` (see `dials.rs`); Kademlia finds the rest of the network.
+    fn bootstrap_dial(&mut self, addrs: Vec<libp2p::Multiaddr>) {
+        for addr in self.dials.pick(addrs) {
+            let opts = DialOpts::unknown_peer_id().address(addr.clone()).build();
+            let id = opts.connection_id();
+            match self.swarm.dial(opts) {
+                Ok(()) => {
+                    self.dials.started(id);
+                    self.metrics.bootstrap_dials.inc();
+                }
+                Err(e) => tracing::debug!(%addr, error = %e, "bootstrap dial failed"),
+            }
+        }
+    }
+
+    /// The coordinator of `key`, to `reply`: from a walk that ended lately, else when the
+    /// walk for the key now running ends (usually the miss's own provider walk: a lookup
+    /// gives up waiting after `--resolve-timeout`, its walk goes on), else from a walk for
+    /// the key's closest nodes started now.
+    fn coordinator(&mut self, key: String, reply: mpsc::Sender<Peer>) {
+        if let Some(found) = self.closest.coordinator(&key, Instant::now()) {
+            self.send_coordinator(found, reply);
+            return;
+        }
+        let walking = self.closest.is_walking(&key);
+        self.coordinator_waiting
+            .entry(key.clone())
+            .or_default()
+            .push(reply);
+        if !walking {
+            self.walk_for_coordinator(key);
+        }
+    }
+
+    fn walk_for_coordinator(&mut self, key: String) {
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .get_closest_peers(key.as_bytes().to_vec());
+        self.closest.walking(id, key);
+        self.coordinator_walks.insert(id);
+    }
+
+    /// A walk for `key` ended, with the closest nodes that answered it if it ran to its end:
+    /// the coordinator to whoever waits for one, or, from a walk that proves nothing (it
+    /// found providers, or failed), a walk of their own.
+    fn walk_ended(&mut self, key: String, closest: Option<&[PeerId]>) {
+        if !self.coordinator_waiting.contains_key(&key) {
+            return;
+        }
+        match closest {
+            Some(peers) => {
+                let coordinator = self.closest.closest_of(&key, peers);
+                for reply in self.coordinator_waiting.remove(&key).unwrap_or_default() {
+                    self.send_coordinator(coordinator, reply);
+                }
+            }
+            None if !self.closest.is_walking(&key) => self.walk_for_coordinator(key),
+            None => {}
+        }
+    }
+
+    fn send_coordinator(&mut self, found: Coordinator, reply: mpsc::Sender<Peer>) {
+        match found {
+            Coordinator::Me => {
+                let _ = reply.try_send(self.local.clone());
+            }
+            Coordinator::Other(peer) => self.send_peer(peer, reply),
+        }
+    }
+
+    /// Sends `peer` with its HTTP address, at once if identify gave it already, else when it
+    /// does (dialling the peer if need be); a peer that cannot be reached drops `reply`.
+    fn send_peer(&mut self, peer: PeerId, reply: mpsc::Sender<Peer>) {
+        match self.http_addrs.get(&peer) {
+            Some(p) => {
+                let _ = reply.try_send(p.clone());
+            }
+            None => {
+                self.awaiting_identify.entry(peer).or_default().push(reply);
+                if !self.swarm.is_connected(&peer)
+                    && let Err(e) = self.swarm.dial(peer)
+                {
+                    tracing::debug!(%peer, error = %e, "cannot dial peer");
+                    self.awaiting_identify.remove(&peer);
+                }
+            }
+        }
     }
 
     fn on_command(&mut self, command: Command) {
@@ -175,9 +284,12 @@ impl EventLoop {
                     .swarm
                     .behaviour_mut()
                     .kad
-                    .get_providers(key.into_bytes().into());
+                    .get_providers(key.as_bytes().to_vec().into());
+                self.closest.walking(id, key);
                 self.lookups.insert(id, (reply, HashSet::new()));
             }
+            Command::Coordinator { key, reply } => self.coordinator(key, reply),
+            Command::Bootstrap { addrs } => self.bootstrap_dial(addrs),
             Command::Advertise { keys, reply } => {
                 let _ = reply.send(self.announcer.advertise(&mut self.swarm, keys));
             }
@@ -204,8 +316,12 @@ impl EventLoop {
                 self.announcer.on_provide_event(&mut self.swarm, event)
             }
             SwarmEvent::ConnectionEstablished {
-                peer_id, endpoint, ..
+                peer_id,
+                endpoint,
+                connection_id,
+                ..
             } => {
+                self.dials.ended(connection_id);
                 self.status
                     .connected_since
                     .write()
@@ -239,7 +355,12 @@ impl EventLoop {
                 }
                 self.update_connected();
             }
-            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+            SwarmEvent::OutgoingConnectionError {
+                peer_id,
+                error,
+                connection_id,
+            } => {
+                self.dials.ended(connection_id);
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
                 // A refused or unreachable address is a node not up yet; a failed handshake
                 // is a node that answered and could not agree on the key: another secret.
@@ -281,7 +402,15 @@ impl EventLoop {
                             self.deliver(id, provider);
                         }
                     }
-                    Ok(GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => {
+                    Ok(GetProvidersOk::FinishedWithNoAdditionalRecord { closest_peers }) => {
+                        // Nobody has the key: a miss, whose coordinator is the closest of
+                        // these (`closest.rs`).
+                        let walked =
+                            self.closest
+                                .walked(&id, Some(closest_peers.clone()), Instant::now());
+                        if let Some(key) = walked {
+                            self.walk_ended(key, Some(&closest_peers));
+                        }
                         self.lookups.remove(&id);
                     }
                     Err(e) => {
@@ -290,6 +419,9 @@ impl EventLoop {
                     }
                 }
                 if step.last {
+                    if let Some(key) = self.closest.walked(&id, None, Instant::now()) {
+                        self.walk_ended(key, None);
+                    }
                     self.lookups.remove(&id);
                 }
                 // Nobody reads this lookup any more (Ferry takes the first providers and
@@ -302,6 +434,11 @@ impl EventLoop {
                     .is_some_and(|(reply, _)| reply.is_closed())
                 {
                     self.lookups.remove(&id);
+                    // Only walks that found providers are cut short: they prove nothing about
+                    // a coordinator, and a walk of its own serves whoever waits for one.
+                    if let Some(key) = self.closest.abandoned(&id) {
+                        self.walk_ended(key, None);
+                    }
                     if let Some(mut query) = self.swarm.behaviour_mut().kad.query_mut(&id) {
                         query.finish();
                     }
@@ -318,7 +455,19 @@ impl EventLoop {
                     // are not the whole network, however few.
                     Err(kad::GetClosestPeersError::Timeout { peers, .. }) => (peers, false),
                 };
-                self.announcer.on_walk(&mut self.swarm, id, found, complete);
+                if self.coordinator_walks.remove(&id) {
+                    // One that timed out still answers with what it found, but does not stand
+                    // for the key afterwards.
+                    let peers: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
+                    let walked =
+                        self.closest
+                            .walked(&id, complete.then(|| peers.clone()), Instant::now());
+                    if let Some(key) = walked {
+                        self.walk_ended(key, Some(&peers));
+                    }
+                } else {
+                    self.announcer.on_walk(&mut self.swarm, id, found, complete);
+                }
             }
             kad::Event::InboundRequest { request } => {
                 let kind = match request {
@@ -352,23 +501,8 @@ impl EventLoop {
         if !sent.insert(provider) {
             return;
         }
-        match self.http_addrs.get(&provider) {
-            Some(peer) => {
-                let _ = reply.try_send(peer.clone());
-            }
-            None => {
-                self.awaiting_identify
-                    .entry(provider)
-                    .or_default()
-                    .push(reply.clone());
-                if !self.swarm.is_connected(&provider)
-                    && let Err(e) = self.swarm.dial(provider)
-                {
-                    tracing::debug!(%provider, error = %e, "cannot dial provider");
-                    self.awaiting_identify.remove(&provider);
-                }
-            }
-        }
+        let reply = reply.clone();
+        self.send_peer(provider, reply);
     }
 
     fn on_identified(&mut self, peer_id: PeerId, info: identify::Info) {

@@ -4,7 +4,9 @@
 mod announce;
 mod announcer;
 mod behaviour;
+mod closest;
 mod delay;
+mod dials;
 mod event_loop;
 pub mod identity;
 mod rest;
@@ -27,6 +29,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use behaviour::{ProvideTiming, REPLICAS, agent_version, peer_addr_of};
+pub use dials::DEFAULT_BOOTSTRAP_DIALS;
 
 use super::bootstrap::{Bootstrap, tcp_multiaddr};
 use super::{Peer, PeerStream, Router, RouterError};
@@ -41,6 +44,9 @@ const LOOKUP_BUFFER: usize = 32;
 /// Connections without traffic are kept this long: re-dialling costs a noise handshake on the
 /// path of a pull.
 const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long picking a key's coordinator may take: a walk of the DHT, milliseconds in a
+/// cluster, when no recent walk knew the key's closest nodes.
+const COORDINATOR_WAIT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct P2pConfig {
@@ -58,6 +64,8 @@ pub struct P2pConfig {
     /// A one-way delay added to every received byte, for the scale simulation only (see
     /// `delay.rs`; without a private-network key). `None` in Ferry itself.
     pub simulated_latency: Option<Duration>,
+    /// Bootstrap addresses dialled at once (`--bootstrap-dials`); Kademlia finds the rest.
+    pub bootstrap_dials: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,8 +90,18 @@ pub(crate) enum Command {
     Withdraw {
         keys: Vec<String>,
     },
+    /// Dial every one of these (tests, `P2pRouter::dial`).
     Dial {
         addrs: Vec<libp2p::Multiaddr>,
+    },
+    /// Dial a few of these (bootstrap sources; `dials.rs`).
+    Bootstrap {
+        addrs: Vec<libp2p::Multiaddr>,
+    },
+    /// The coordinator of `key` (`closest.rs`), sent once known; dropped if it cannot be.
+    Coordinator {
+        key: String,
+        reply: mpsc::Sender<super::Peer>,
     },
 }
 
@@ -167,10 +185,17 @@ impl P2pRouter {
             addr: config.listen,
             reason: e.to_string(),
         })?;
-        if let Some(ip) = config.advertise {
-            swarm.add_external_address(tcp_multiaddr(ip, config.listen.port()));
+        let own = config
+            .advertise
+            .map(|ip| tcp_multiaddr(ip, config.listen.port()));
+        if let Some(addr) = &own {
+            swarm.add_external_address(addr.clone());
         }
         let peer_id = *swarm.local_peer_id();
+        let local = Peer {
+            id: peer_id.to_base58(),
+            addr: peer_http_addr,
+        };
         tracing::info!(%peer_id, listen = %config.listen, peer_addr = %peer_http_addr, "peer-to-peer node started");
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
         let status = Arc::new(Status::default());
@@ -179,9 +204,12 @@ impl P2pRouter {
             rx,
             tx.clone(),
             status.clone(),
-            bootstrap,
+            (
+                bootstrap,
+                dials::BootstrapDials::new(config.bootstrap_dials, own),
+            ),
             (metrics, problems),
-            timing,
+            (timing, local),
         );
         let task = tokio::spawn(event_loop.run(token));
         Ok((
@@ -290,6 +318,21 @@ impl Router for P2pRouter {
             })
             .await;
         rx
+    }
+
+    async fn coordinator(&self, key: &str) -> Option<Peer> {
+        let (reply, mut rx) = mpsc::channel(1);
+        self.commands
+            .send(Command::Coordinator {
+                key: key.to_string(),
+                reply,
+            })
+            .await
+            .ok()?;
+        tokio::time::timeout(COORDINATOR_WAIT, rx.recv())
+            .await
+            .ok()
+            .flatten()
     }
 
     async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError> {

@@ -1,0 +1,154 @@
+//! Which node coordinates a key's download (see `coalesce`): the node whose ID is closest to
+//! the key by Kademlia's XOR distance, this node included. Every node that walks the DHT for
+//! the key ends its walk at the same closest nodes, so nodes agree on a coordinator without
+//! being connected to each other: bounded bootstrap dials (`dials.rs`) leave each node with
+//! a few dozen connections, where rendezvous hashing over the connected members needed every
+//! node connected to every node to agree.
+//!
+//! The walk is usually free: a miss has just walked the DHT for providers and found none, and
+//! that walk's closest nodes are kept here for [`CLOSEST_FRESH`]. Otherwise the key costs one
+//! walk for its closest nodes.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+use libp2p::PeerId;
+use libp2p::kad::{KBucketKey, QueryId, RecordKey};
+
+/// How long a finished walk's closest nodes stand for the key: the claims of one rollout's
+/// storm come within seconds of each other; a node joining or leaving moves few keys.
+const CLOSEST_FRESH: Duration = Duration::from_secs(30);
+/// Keys whose closest nodes are kept at most (a few KB each): a burst of misses larger than
+/// this walks again for the oldest.
+const CLOSEST_KEPT: usize = 4096;
+
+/// Who coordinates a key, as the walk found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Coordinator {
+    Me,
+    Other(PeerId),
+}
+
+/// Walks by key, and the closest nodes of keys walked lately (`Q`: the walk's query ID).
+#[derive(Debug)]
+pub struct Closest<Q = QueryId> {
+    me: PeerId,
+    /// Provider walks still running, by query: the key they walk for.
+    walking: HashMap<Q, String>,
+    found: HashMap<String, (Instant, Vec<PeerId>)>,
+}
+
+impl<Q: Hash + Eq> Closest<Q> {
+    pub fn new(me: PeerId) -> Self {
+        Closest {
+            me,
+            walking: HashMap::new(),
+            found: HashMap::new(),
+        }
+    }
+
+    /// A walk for `key` started (a provider lookup, or a walk for the coordinator).
+    pub fn walking(&mut self, id: Q, key: String) {
+        self.walking.insert(id, key);
+    }
+
+    /// Whether a walk for `key` is running (a coordinator asked for then waits for its end).
+    pub fn is_walking(&self, key: &str) -> bool {
+        self.walking.values().any(|k| k == key)
+    }
+
+    /// The walk was cut short (its answer was no longer wanted): the nodes it reached are
+    /// not the closest, and must not stand for the key.
+    pub fn abandoned(&mut self, id: &Q) -> Option<String> {
+        self.walking.remove(id)
+    }
+
+    /// A walk ended; `peers` are the closest nodes that answered it when it ran to its end
+    /// (`None`: it did not, and proves nothing). Returns the key it walked for.
+    pub fn walked(&mut self, id: &Q, peers: Option<Vec<PeerId>>, now: Instant) -> Option<String> {
+        let key = self.walking.remove(id)?;
+        if let Some(peers) = peers {
+            if self.found.len() >= CLOSEST_KEPT {
+                self.found
+                    .retain(|_, (at, _)| now.duration_since(*at) < CLOSEST_FRESH);
+                if self.found.len() >= CLOSEST_KEPT {
+                    self.found.clear();
+                }
+            }
+            self.found.insert(key.clone(), (now, peers));
+        }
+        Some(key)
+    }
+
+    /// The coordinator of `key` from a walk that ended lately, if there is one.
+    pub fn coordinator(&self, key: &str, now: Instant) -> Option<Coordinator> {
+        let (at, peers) = self.found.get(key)?;
+        (now.duration_since(*at) < CLOSEST_FRESH).then(|| self.closest_of(key, peers))
+    }
+
+    /// Of `peers` and this node, the one closest to `key`.
+    pub fn closest_of(&self, key: &str, peers: &[PeerId]) -> Coordinator {
+        let target = KBucketKey::new(RecordKey::new(&key));
+        let distance = |p: &PeerId| KBucketKey::from(*p).distance(&target);
+        match peers.iter().min_by_key(|p| distance(p)) {
+            Some(p) if distance(p) < distance(&self.me) => Coordinator::Other(*p),
+            _ => Coordinator::Me,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_node_that_saw_the_same_closest_nodes_picks_the_same_one() {
+        let nodes: Vec<PeerId> = (0..30).map(|_| PeerId::random()).collect();
+        for k in 0..50 {
+            let key = format!("sha256:{k:064x}");
+            let picks: Vec<PeerId> = nodes
+                .iter()
+                .map(|me| {
+                    let others: Vec<PeerId> = nodes.iter().filter(|p| *p != me).copied().collect();
+                    match Closest::<u32>::new(*me).closest_of(&key, &others) {
+                        Coordinator::Me => *me,
+                        Coordinator::Other(p) => p,
+                    }
+                })
+                .collect();
+            assert!(picks.iter().all(|p| *p == picks[0]), "key {k}");
+        }
+        // Alone, or closer than everyone found: this node.
+        let me = PeerId::random();
+        assert_eq!(
+            Closest::<u32>::new(me).closest_of("k", &[]),
+            Coordinator::Me
+        );
+    }
+
+    #[test]
+    fn only_walks_that_ran_to_their_end_stand_for_their_key_for_a_while() {
+        let me = PeerId::random();
+        let other = PeerId::random();
+        let mut closest = Closest::new(me);
+        let now = Instant::now();
+        let (a, b, c) = (1u32, 2, 3);
+        closest.walking(a, "one".into());
+        closest.walking(b, "two".into());
+        closest.walking(c, "three".into());
+        assert!(closest.is_walking("two"));
+        closest.abandoned(&b);
+        assert!(!closest.is_walking("two"));
+        assert_eq!(
+            closest.walked(&a, Some(vec![other]), now).as_deref(),
+            Some("one")
+        );
+        assert_eq!(closest.walked(&b, Some(vec![other]), now), None);
+        assert_eq!(closest.walked(&c, None, now).as_deref(), Some("three"));
+        assert!(closest.coordinator("one", now).is_some());
+        assert!(closest.coordinator("two", now).is_none());
+        assert!(closest.coordinator("three", now).is_none());
+        assert!(closest.coordinator("one", now + CLOSEST_FRESH).is_none());
+    }
+}

@@ -1,0 +1,112 @@
+//! Bootstrap dials, bounded: a source may name every node of the cluster (the Kubernetes
+//! bootstrap lists every Ferry pod), but a node dials only a few of them, drawn at random, and
+//! Kademlia finds the rest. Dialling everyone made every node hold a connection to every node
+//! (999 at 1,000 nodes), each with its keep-alive, identify and noise state.
+
+use std::collections::HashSet;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+
+use libp2p::Multiaddr;
+use libp2p::swarm::ConnectionId;
+
+/// Bootstrap dials at once, when a source does not say otherwise (`--bootstrap-dials`). One
+/// reachable node is enough to join; three survive two of them being down or slow to answer.
+pub const DEFAULT_BOOTSTRAP_DIALS: usize = 3;
+
+/// Which bootstrap addresses to dial, and the dials still in flight (a node whose dials hang
+/// does not open more each time it looks again).
+#[derive(Debug)]
+pub struct BootstrapDials {
+    limit: usize,
+    /// This node's own address, as other nodes' lists name it.
+    own: Option<Multiaddr>,
+    in_flight: HashSet<ConnectionId>,
+    random: RandomState,
+    draws: u64,
+}
+
+impl BootstrapDials {
+    pub fn new(limit: usize, own: Option<Multiaddr>) -> Self {
+        BootstrapDials {
+            limit: limit.max(1),
+            own,
+            in_flight: HashSet::new(),
+            random: RandomState::new(),
+            draws: 0,
+        }
+    }
+
+    /// Up to the limit, less the dials in flight, of `addrs` (this node's own address and
+    /// duplicates left out), drawn anew each time: a node whose first picks are gone tries
+    /// others on its next look.
+    pub fn pick(&mut self, mut addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
+        addrs.sort();
+        addrs.dedup();
+        addrs.retain(|a| Some(a) != self.own.as_ref());
+        self.draws += 1;
+        let draw = self.draws;
+        addrs.sort_by_cached_key(|a| self.random.hash_one((draw, a.as_ref())));
+        addrs.truncate(self.limit.saturating_sub(self.in_flight.len()));
+        addrs
+    }
+
+    pub fn started(&mut self, id: ConnectionId) {
+        self.in_flight.insert(id);
+    }
+
+    /// A connection was established or failed: if it was a bootstrap dial, it is over.
+    pub fn ended(&mut self, id: ConnectionId) {
+        self.in_flight.remove(&id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::bootstrap::tcp_multiaddr;
+
+    fn addrs(n: u8) -> Vec<Multiaddr> {
+        (1..=n)
+            .map(|i| tcp_multiaddr([10, 0, 0, i].into(), 5482))
+            .collect()
+    }
+
+    #[test]
+    fn a_few_of_many_are_dialled_never_this_node_and_not_while_dials_hang() {
+        let own = tcp_multiaddr([10, 0, 0, 1].into(), 5482);
+        let mut dials = BootstrapDials::new(3, Some(own.clone()));
+        let mut seen = HashSet::new();
+        for _ in 0..50 {
+            let picked = dials.pick(addrs(100));
+            assert_eq!(picked.len(), 3);
+            assert!(!picked.contains(&own));
+            assert_eq!(picked.iter().collect::<HashSet<_>>().len(), 3);
+            seen.extend(picked);
+        }
+        // Drawn anew each time, so dead picks do not stop a node for good.
+        assert!(seen.len() > 30, "{}", seen.len());
+
+        let (a, b) = (
+            ConnectionId::new_unchecked(1),
+            ConnectionId::new_unchecked(2),
+        );
+        dials.started(a);
+        dials.started(b);
+        assert_eq!(dials.pick(addrs(100)).len(), 1);
+        dials.ended(a);
+        dials.ended(a);
+        assert_eq!(dials.pick(addrs(100)).len(), 2);
+        dials.started(ConnectionId::new_unchecked(3));
+        dials.started(ConnectionId::new_unchecked(4));
+        assert!(dials.pick(addrs(100)).is_empty());
+
+        // Fewer than the limit: all of them, once each.
+        let mut small = BootstrapDials::new(3, Some(own.clone()));
+        let mut two = addrs(3);
+        two.push(addrs(3)[2].clone());
+        let picked = small.pick(two);
+        assert_eq!(picked.len(), 2);
+        assert!(!picked.contains(&own));
+    }
+}
