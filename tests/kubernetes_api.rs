@@ -297,18 +297,104 @@ fn peers_are_bootstrapped_from_the_daemonsets_pods() {
             && !uri.contains("watch=true")
     });
     assert!(
-        list.is_some_and(
-            |(_, uri, _)| uri.contains("labelSelector=app.kubernetes.io%2Fname%3Dferry")
-        ),
+        list.is_some_and(|(_, uri, _)| uri
+            .contains("labelSelector=app.kubernetes.io%2Fname%3Dferry")
+            // From the API server's cache, not etcd.
+            && uri.contains("resourceVersion=0")),
         "{:?}",
         c.requests
     );
     assert!(
-        c.requests
+        !c.requests
             .iter()
             .any(|(_, uri, _)| uri.contains("watch=true")),
-        "it watches after listing"
+        "pods are listed when a node needs peers, never watched: {:?}",
+        c.requests
     );
+}
+
+#[test]
+fn a_node_named_many_pods_dials_only_a_few_and_lists_them_rarely() {
+    let rt = runtime();
+    let tmp = tempfile::Builder::new()
+        .prefix("ferry-k8s")
+        .disable_cleanup(std::env::var_os("FERRY_TEST_KEEP").is_some())
+        .tempdir()
+        .unwrap();
+    let cluster: Shared = Arc::new(Mutex::new(Cluster::default()));
+    // 20 other Ferry pods whose p2p port accepts a connection and never answers (nodes hung
+    // mid-start): a dial to them neither succeeds nor fails for 10 s, so every dial made is
+    // counted here, on real sockets, at distinct loopback addresses.
+    let port = free_addr().port();
+    let accepted = Arc::new(Mutex::new(Vec::new()));
+    {
+        let mut c = cluster.lock().unwrap();
+        c.pods.push(kube_api::pod("ferry-self", "127.0.0.2"));
+        for i in 10..30 {
+            let ip = format!("127.0.0.{i}");
+            c.pods.push(kube_api::pod(&format!("ferry-{i}"), &ip));
+            // With SO_REUSEPORT, as libp2p binds its dialling sockets to its own listening
+            // port (on one machine, every node listens on the same port).
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.set_reuseaddr(true).unwrap();
+            socket.set_reuseport(true).unwrap();
+            socket
+                .bind(format!("{ip}:{port}").parse().unwrap())
+                .unwrap();
+            let accepted = accepted.clone();
+            rt.spawn(async move {
+                let listener = socket.listen(64).unwrap();
+                while let Ok((conn, _)) = listener.accept().await {
+                    accepted.lock().unwrap().push(conn);
+                }
+            });
+        }
+    }
+    let api = rt.block_on(kube_api::serve(cluster.clone()));
+    let kubeconfig = kube_api::kubeconfig(tmp.path(), &format!("http://{api}"));
+    let containerd = Containerd::start(&tmp.path().join("containerd"));
+    let p2p = format!("127.0.0.2:{port}");
+    let peer = format!("127.0.0.2:{}", free_addr().port());
+    let (_ferry, _, metrics) = start_ferry(
+        tmp.path(),
+        &containerd,
+        &kubeconfig,
+        &[
+            "--advertise-addr",
+            "127.0.0.2",
+            "--p2p-addr",
+            &p2p,
+            "--peer-addr",
+            &peer,
+            "--bootstrap-kubernetes",
+            "app.kubernetes.io/name=ferry",
+        ],
+    );
+    wait_for("a first bootstrap dial", || {
+        !accepted.lock().unwrap().is_empty()
+    });
+    // The node keeps looking for peers (it has none) for these seconds: it dials no more
+    // while its dials hang, and does not list the pods again each time it looks.
+    std::thread::sleep(Duration::from_secs(3));
+    let dialled = accepted.lock().unwrap().len();
+    assert!(
+        dialled <= 3,
+        "{dialled} of 20 pods dialled (--bootstrap-dials 3)"
+    );
+    let url = format!("http://{metrics}/metrics");
+    let body = String::from_utf8_lossy(&http("GET", &url, &[]).body).to_string();
+    assert!(
+        body.lines()
+            .any(|l| l == format!("ferry_bootstrap_dials_total {dialled}")),
+        "{body}"
+    );
+    let c = cluster.lock().unwrap();
+    let lists = c
+        .requests
+        .iter()
+        .filter(|(m, uri, _)| m == "GET" && uri.starts_with("/api/v1/namespaces/ferry/pods"))
+        .count();
+    assert_eq!(lists, 1, "{:?}", c.requests);
 }
 
 #[test]

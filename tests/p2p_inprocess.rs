@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use ferry::metrics::{DhtLabels, Metrics};
 use ferry::problems::Problems;
-use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
+use ferry::routing::bootstrap::{Bootstrap, StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{DEFAULT_BOOTSTRAP_DIALS, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use ferry::routing::{Peer, Router};
 use ferry::trust::ClusterSecret;
@@ -73,6 +73,27 @@ fn start_with(
     psk: Option<[u8; 32]>,
     timing: ProvideTiming,
 ) -> Node {
+    let addrs = bootstrap
+        .iter()
+        .map(|a| tcp_multiaddr(a.ip(), a.port()))
+        .collect();
+    let source = Arc::new(StaticBootstrap { addrs });
+    start_from(
+        data_dir,
+        (p2p, http),
+        (source, !bootstrap.is_empty()),
+        psk,
+        timing,
+    )
+}
+
+fn start_from(
+    data_dir: &std::path::Path,
+    (p2p, http): (SocketAddr, SocketAddr),
+    (bootstrap, configured): (Arc<dyn Bootstrap>, bool),
+    psk: Option<[u8; 32]>,
+    timing: ProvideTiming,
+) -> Node {
     let config = P2pConfig {
         psk,
         data_dir: data_dir.to_path_buf(),
@@ -83,16 +104,12 @@ fn start_with(
         simulated_latency: None,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
     };
-    let addrs = bootstrap
-        .iter()
-        .map(|a| tcp_multiaddr(a.ip(), a.port()))
-        .collect();
     let token = CancellationToken::new();
     let metrics = Arc::new(Metrics::new());
     let (router, task) = P2pRouter::start(
         config,
-        Arc::new(StaticBootstrap { addrs }),
-        !bootstrap.is_empty(),
+        bootstrap,
+        configured,
         metrics.clone(),
         Arc::new(Problems::new(metrics.clone())),
         token.clone(),
@@ -214,6 +231,98 @@ async fn providers_are_found_withdrawn_and_reprovided() {
         providers(&nodes[3].router, key).await.is_empty()
     })
     .await;
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+/// A bootstrap source that names nobody until the test fills it in, as the Kubernetes API
+/// names a pod once it has an IP.
+#[derive(Default)]
+struct Listed(std::sync::Mutex<Vec<libp2p::Multiaddr>>);
+
+#[async_trait::async_trait]
+impl Bootstrap for Listed {
+    async fn peers(&self) -> Vec<libp2p::Multiaddr> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// The node of `nodes` whose ID is XOR-closest to `key`, by Kademlia's metric.
+fn closest_to<'a>(nodes: &'a [Node], key: &str) -> &'a Node {
+    use libp2p::kad::{KBucketKey, RecordKey};
+    let target = KBucketKey::new(RecordKey::new(&key));
+    nodes
+        .iter()
+        .min_by_key(|n| KBucketKey::from(n.router.peer_id()).distance(&target))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_named_every_node_dial_a_few_yet_find_every_key_and_agree_on_coordinators() {
+    const N: usize = 16;
+    let tmp = tempfile::tempdir().unwrap();
+    let listed = Arc::new(Listed::default());
+    let nodes: Vec<Node> = (0..N)
+        .map(|i| {
+            let p2p = SocketAddr::new(LOOPBACK, free_port());
+            let http = SocketAddr::new(LOOPBACK, free_port());
+            let source: Arc<dyn Bootstrap> = listed.clone();
+            let dir = tmp.path().join(format!("n{i}"));
+            start_from(&dir, (p2p, http), (source, true), None, TIMING)
+        })
+        .collect();
+    // Every node is named to every node, itself included, as the pod list names them.
+    *listed.0.lock().unwrap() = nodes
+        .iter()
+        .map(|n| tcp_multiaddr(n.p2p.ip(), n.p2p.port()))
+        .collect();
+    eventually("every node connected", || {
+        let all = nodes.iter().all(|n| n.router.connected_peers() > 0);
+        async move { all }
+    })
+    .await;
+    for n in &nodes {
+        let dials = n.metrics.bootstrap_dials.get();
+        assert!(
+            dials <= DEFAULT_BOOTSTRAP_DIALS as u64,
+            "a node dialled {dials} of the {N} it was given"
+        );
+    }
+
+    // Kademlia finds the rest: every node's key from every node.
+    let key_of = |i: usize| format!("sha256:{i:064x}");
+    for (i, n) in nodes.iter().enumerate() {
+        n.router.advertise(vec![key_of(i)]).await.unwrap();
+    }
+    for asker in &nodes {
+        for (i, owner) in nodes.iter().enumerate() {
+            if std::ptr::eq(asker, owner) {
+                continue;
+            }
+            eventually("every key found from every node", || async {
+                providers(&asker.router, &key_of(i))
+                    .await
+                    .iter()
+                    .any(|p| p.addr == owner.http)
+            })
+            .await;
+        }
+    }
+
+    // Every node names the same coordinator for a key nobody has (the XOR-closest node),
+    // whether its provider walk has just ended (the path of a miss) or not.
+    for k in 0..12 {
+        let key = format!("sha256:{:064x}", 1_000 + k);
+        let want = closest_to(&nodes, &key).http;
+        for n in &nodes {
+            if k % 2 == 0 {
+                assert!(providers(&n.router, &key).await.is_empty());
+            }
+            let got = n.router.coordinator(&key).await.map(|p| p.addr);
+            assert_eq!(got, Some(want), "key {k}");
+        }
+    }
     for n in nodes {
         stop(n).await;
     }
