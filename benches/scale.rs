@@ -368,6 +368,8 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         (sum(&after, "rested") - sum(&before, "rested")) / n as f64 / (secs / mean_round);
     let rss_mib = sum(&after, "rss_kib") / 1024.0 / n as f64;
     let connections = sum(&after, "connections") / n as f64;
+    // Since start: every node of the first start; restarted nodes add theirs below.
+    let dials = sum(&after, "bootstrap_dials") / n as f64;
 
     // Lookups, one at a time per worker: present keys (another node's own), absent keys.
     let (found_total, absent_total) = (400usize, 100usize);
@@ -422,6 +424,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "sim_interval_s": opts.interval_s,
         "rss_mib_per_node": round3(rss_mib),
         "connections_per_node": round3(connections),
+        "bootstrap_dials_per_node": round3(dials),
         "start_all_announced_s": round3(announced_s.max(start_s)),
         "findable_after_start_s": round3(percentile(&findable, 1.0)),
         "findable_after_start_s_each": findable.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
@@ -585,8 +588,10 @@ fn stats(nodes: &Nodes) -> Value {
     let mut connections = 0usize;
     let mut alone = 0usize;
     let mut rested = 0u64;
+    let mut dials = 0u64;
     for n in nodes.values() {
         pending += n.metrics.announcements_pending.get();
+        dials += n.metrics.bootstrap_dials.get();
         rested += n.metrics.announcements_rested.get();
         for kind in DHT_REQUEST_KINDS {
             requests += n
@@ -605,6 +610,7 @@ fn stats(nodes: &Nodes) -> Value {
         "connections": connections,
         "alone": alone,
         "rested": rested,
+        "bootstrap_dials": dials,
         "rss_kib": rss_kib(),
     })
 }
@@ -783,25 +789,25 @@ fn f(v: &Value) -> String {
 
 fn table(report: &Value) -> String {
     let mut out = String::from(
-        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node | bootstrap dials/node | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in report["runs"].as_array().cloned().unwrap_or_default() {
         if let Some(mib) = r["did_not_fit_mib"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | did not fit: {mib:.0} MiB before the start was over |||||||\n",
+                "| {} | {} | did not fit: {mib:.0} MiB before the start was over ||||||||\n",
                 r["nodes"], r["digests_per_node"]
             ));
             continue;
         }
         if let Some(s) = r["did_not_settle_s"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores |||||||\n",
+                "| {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores ||||||||\n",
                 r["nodes"], r["digests_per_node"]
             ));
             continue;
         }
         out.push_str(&format!(
-            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} | {}/{} / {}/{} |\n",
+            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} | {} | {}/{} / {}/{} |\n",
             r["nodes"],
             r["digests_per_node"],
             f(&r["lookup_ms_p50"]),
@@ -811,6 +817,7 @@ fn table(report: &Value) -> String {
             f(&r["rss_mib_per_node"]),
             f(&r["findable_after_start_s"]),
             f(&r["connections_per_node"]),
+            f(&r["bootstrap_dials_per_node"]),
             r["lookups_not_found"],
             r["lookups"],
             r["churn_lookups_not_found"],
