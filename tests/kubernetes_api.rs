@@ -38,6 +38,42 @@ fn start_ferry(
     (proc, mirror, metrics)
 }
 
+/// A directory for one test, kept when `FERRY_TEST_KEEP` is set.
+fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("ferry-k8s")
+        .disable_cleanup(std::env::var_os("FERRY_TEST_KEEP").is_some())
+        .tempdir()
+        .unwrap()
+}
+
+/// A Ferry at `ip` (its p2p address at `port`) that finds its peers from Ferry's pods.
+fn start_bootstrapping(
+    dir: &std::path::Path,
+    containerd: &Containerd,
+    kubeconfig: &std::path::Path,
+    (ip, port): (&str, u16),
+) -> (Proc, SocketAddr) {
+    let p2p = format!("{ip}:{port}");
+    let peer = format!("{ip}:{}", free_addr().port());
+    let (ferry, _, metrics) = start_ferry(
+        dir,
+        containerd,
+        kubeconfig,
+        &[
+            "--advertise-addr",
+            ip,
+            "--p2p-addr",
+            &p2p,
+            "--peer-addr",
+            &peer,
+            "--bootstrap-kubernetes",
+            "app.kubernetes.io/name=ferry",
+        ],
+    );
+    (ferry, metrics)
+}
+
 fn taints(cluster: &Shared, node: &str) -> Vec<String> {
     let c = cluster.lock().unwrap();
     let n = c
@@ -240,11 +276,7 @@ fn each_configuration_problem_is_a_warning_event_on_the_node_once() {
 #[test]
 fn peers_are_bootstrapped_from_the_daemonsets_pods() {
     let rt = runtime();
-    let tmp = tempfile::Builder::new()
-        .prefix("ferry-k8s")
-        .disable_cleanup(std::env::var_os("FERRY_TEST_KEEP").is_some())
-        .tempdir()
-        .unwrap();
+    let tmp = tempdir();
     let cluster: Shared = Arc::new(Mutex::new(Cluster::default()));
     // Two nodes on one machine: distinct loopback addresses, the same p2p port.
     let port = free_addr().port();
@@ -262,23 +294,7 @@ fn peers_are_bootstrapped_from_the_daemonsets_pods() {
     for (name, ip) in [("a", "127.0.0.2"), ("b", "127.0.0.3")] {
         let dir = tmp.path().join(name);
         let containerd = Containerd::start(&dir.join("containerd"));
-        let p2p = format!("{ip}:{port}");
-        let peer = format!("{ip}:{}", free_addr().port());
-        let (ferry, _, metrics) = start_ferry(
-            &dir,
-            &containerd,
-            &kubeconfig,
-            &[
-                "--advertise-addr",
-                ip,
-                "--p2p-addr",
-                &p2p,
-                "--peer-addr",
-                &peer,
-                "--bootstrap-kubernetes",
-                "app.kubernetes.io/name=ferry",
-            ],
-        );
+        let (ferry, metrics) = start_bootstrapping(&dir, &containerd, &kubeconfig, (ip, port));
         nodes.push((containerd, ferry, metrics));
     }
     for (_, _, metrics) in &nodes {
@@ -316,11 +332,7 @@ fn peers_are_bootstrapped_from_the_daemonsets_pods() {
 #[test]
 fn a_node_named_many_pods_dials_only_a_few_and_lists_them_rarely() {
     let rt = runtime();
-    let tmp = tempfile::Builder::new()
-        .prefix("ferry-k8s")
-        .disable_cleanup(std::env::var_os("FERRY_TEST_KEEP").is_some())
-        .tempdir()
-        .unwrap();
+    let tmp = tempdir();
     let cluster: Shared = Arc::new(Mutex::new(Cluster::default()));
     // 20 other Ferry pods whose p2p port accepts a connection and never answers (nodes hung
     // mid-start): a dial to them neither succeeds nor fails for 10 s, so every dial made is
@@ -353,23 +365,8 @@ fn a_node_named_many_pods_dials_only_a_few_and_lists_them_rarely() {
     let api = rt.block_on(kube_api::serve(cluster.clone()));
     let kubeconfig = kube_api::kubeconfig(tmp.path(), &format!("http://{api}"));
     let containerd = Containerd::start(&tmp.path().join("containerd"));
-    let p2p = format!("127.0.0.2:{port}");
-    let peer = format!("127.0.0.2:{}", free_addr().port());
-    let (_ferry, _, metrics) = start_ferry(
-        tmp.path(),
-        &containerd,
-        &kubeconfig,
-        &[
-            "--advertise-addr",
-            "127.0.0.2",
-            "--p2p-addr",
-            &p2p,
-            "--peer-addr",
-            &peer,
-            "--bootstrap-kubernetes",
-            "app.kubernetes.io/name=ferry",
-        ],
-    );
+    let (_ferry, metrics) =
+        start_bootstrapping(tmp.path(), &containerd, &kubeconfig, ("127.0.0.2", port));
     wait_for("a first bootstrap dial", || {
         !accepted.lock().unwrap().is_empty()
     });

@@ -44,9 +44,11 @@ const LOOKUP_BUFFER: usize = 32;
 /// Connections without traffic are kept this long: re-dialling costs a noise handshake on the
 /// path of a pull.
 const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(600);
-/// How long picking a key's coordinator may take: a walk of the DHT, milliseconds in a
-/// cluster, when no recent walk knew the key's closest nodes.
-const COORDINATOR_WAIT: Duration = Duration::from_secs(1);
+/// How long picking a key's coordinator may wait for a walk of the DHT (milliseconds in a
+/// cluster; usually the miss's own provider walk, already under way). It is on the path of a
+/// pull, before the claim (`coalesce::CLAIM_TIMEOUT`): a walk slower than this falls back to
+/// rendezvous hashing over the connected nodes, which at worst costs a second upstream fetch.
+const COORDINATOR_WAIT: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone)]
 pub struct P2pConfig {
