@@ -59,8 +59,8 @@ pub(crate) struct EventLoop {
     /// This node, as other nodes reach it.
     local: Peer,
     /// HTTP peer addresses learned through identify, each with its peer's ID as text, encoded
-    /// once here: base58 is slow, and the member list is published on every connection event
-    /// (a profile of 300 simulated nodes had base58 at the top, 10% of the CPU).
+    /// once per peer: base58 is slow (a profile of 300 simulated nodes had it at the top, 10%
+    /// of the CPU, when the member list was rebuilt on every connection event).
     http_addrs: HashMap<PeerId, Peer>,
     /// Open provider lookups, with the providers already sent.
     lookups: HashMap<QueryId, (mpsc::Sender<Peer>, HashSet<PeerId>)>,
@@ -351,6 +351,11 @@ impl EventLoop {
                         .write()
                         .unwrap_or_else(|e| e.into_inner())
                         .remove(&peer_id);
+                    self.status
+                        .members
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&peer_id);
                     self.awaiting_identify.remove(&peer_id);
                 }
                 self.update_connected();
@@ -517,12 +522,26 @@ impl EventLoop {
         for addr in info.listen_addrs {
             self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
         }
-        let peer = Peer {
-            id: peer_id.to_base58(),
-            addr: http,
+        // Identify comes again on every new connection and every few minutes: the ID is
+        // encoded once per peer (base58 is slow).
+        let peer = match self.http_addrs.get(&peer_id) {
+            Some(known) if known.addr == http => known.clone(),
+            _ => {
+                let peer = Peer {
+                    id: peer_id.to_base58(),
+                    addr: http,
+                };
+                self.http_addrs.insert(peer_id, peer.clone());
+                peer
+            }
         };
-        self.http_addrs.insert(peer_id, peer.clone());
-        self.publish_members();
+        if self.swarm.is_connected(&peer_id) {
+            self.status
+                .members
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(peer_id, peer.clone());
+        }
         for reply in self.awaiting_identify.remove(&peer_id).unwrap_or_default() {
             let _ = reply.try_send(peer.clone());
         }
@@ -532,21 +551,5 @@ impl EventLoop {
         let n = self.swarm.connected_peers().count();
         self.status.connected.store(n, Ordering::Relaxed);
         self.metrics.peers_connected.set(n as i64);
-        self.publish_members();
-    }
-
-    /// The connected peers with a known peer address, for whoever picks among live nodes.
-    fn publish_members(&self) {
-        let mut members: Vec<Peer> = self
-            .swarm
-            .connected_peers()
-            .filter_map(|id| self.http_addrs.get(id).cloned())
-            .collect();
-        members.sort_by(|a, b| a.id.cmp(&b.id));
-        *self
-            .status
-            .members
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = Arc::new(members);
     }
 }
