@@ -19,8 +19,8 @@ use libp2p::kad::{KBucketKey, QueryId, RecordKey};
 /// How long a finished walk's closest nodes stand for the key: the claims of one rollout's
 /// storm come within seconds of each other; a node joining or leaving moves few keys.
 const CLOSEST_FRESH: Duration = Duration::from_secs(30);
-/// Keys whose closest nodes are kept at most (a few KB each): a burst of misses larger than
-/// this walks again for the oldest.
+/// Keys whose coordinator is kept at most (about 150 bytes each): a burst of misses larger
+/// than this walks again for the oldest.
 const CLOSEST_KEPT: usize = 4096;
 
 /// Who coordinates a key, as the walk found it.
@@ -30,13 +30,13 @@ pub enum Coordinator {
     Other(PeerId),
 }
 
-/// Walks by key, and the closest nodes of keys walked lately (`Q`: the walk's query ID).
+/// Walks by key, and the coordinators of keys walked lately (`Q`: the walk's query ID).
 #[derive(Debug)]
 pub struct Closest<Q = QueryId> {
     me: PeerId,
     /// Provider walks still running, by query: the key they walk for.
     walking: HashMap<Q, String>,
-    found: HashMap<String, (Instant, Vec<PeerId>)>,
+    found: HashMap<String, (Instant, Coordinator)>,
 }
 
 impl<Q: Hash + Eq> Closest<Q> {
@@ -66,9 +66,10 @@ impl<Q: Hash + Eq> Closest<Q> {
 
     /// A walk ended; `peers` are the closest nodes that answered it when it ran to its end
     /// (`None`: it did not, and proves nothing). Returns the key it walked for.
-    pub fn walked(&mut self, id: &Q, peers: Option<Vec<PeerId>>, now: Instant) -> Option<String> {
+    pub fn walked(&mut self, id: &Q, peers: Option<&[PeerId]>, now: Instant) -> Option<String> {
         let key = self.walking.remove(id)?;
         if let Some(peers) = peers {
+            let coordinator = self.closest_of(&key, peers);
             if self.found.len() >= CLOSEST_KEPT {
                 self.found
                     .retain(|_, (at, _)| now.duration_since(*at) < CLOSEST_FRESH);
@@ -76,15 +77,15 @@ impl<Q: Hash + Eq> Closest<Q> {
                     self.found.clear();
                 }
             }
-            self.found.insert(key.clone(), (now, peers));
+            self.found.insert(key.clone(), (now, coordinator));
         }
         Some(key)
     }
 
     /// The coordinator of `key` from a walk that ended lately, if there is one.
     pub fn coordinator(&self, key: &str, now: Instant) -> Option<Coordinator> {
-        let (at, peers) = self.found.get(key)?;
-        (now.duration_since(*at) < CLOSEST_FRESH).then(|| self.closest_of(key, peers))
+        let (at, coordinator) = self.found.get(key)?;
+        (now.duration_since(*at) < CLOSEST_FRESH).then_some(*coordinator)
     }
 
     /// Of `peers` and this node, the one closest to `key`.
@@ -141,10 +142,10 @@ mod tests {
         closest.abandoned(&b);
         assert!(!closest.is_walking("two"));
         assert_eq!(
-            closest.walked(&a, Some(vec![other]), now).as_deref(),
+            closest.walked(&a, Some(&[other]), now).as_deref(),
             Some("one")
         );
-        assert_eq!(closest.walked(&b, Some(vec![other]), now), None);
+        assert_eq!(closest.walked(&b, Some(&[other]), now), None);
         assert_eq!(closest.walked(&c, None, now).as_deref(), Some("three"));
         assert!(closest.coordinator("one", now).is_some());
         assert!(closest.coordinator("two", now).is_none());

@@ -188,6 +188,11 @@ impl EventLoop {
 
     /// Dials a few of `addrs` (see `dials.rs`); Kademlia finds the rest of the network.
     fn bootstrap_dial(&mut self, addrs: Vec<libp2p::Multiaddr>) {
+        // Resolved while no peer was connected; one may have come since (an earlier draw's
+        // dial, or another node dialling this one): then there is nothing to do.
+        if self.swarm.connected_peers().next().is_some() {
+            return;
+        }
         for addr in self.dials.pick(addrs) {
             let opts = DialOpts::unknown_peer_id().address(addr.clone()).build();
             let id = opts.connection_id();
@@ -410,9 +415,9 @@ impl EventLoop {
                     Ok(GetProvidersOk::FinishedWithNoAdditionalRecord { closest_peers }) => {
                         // Nobody has the key: a miss, whose coordinator is the closest of
                         // these (`closest.rs`).
-                        let walked =
-                            self.closest
-                                .walked(&id, Some(closest_peers.clone()), Instant::now());
+                        let walked = self
+                            .closest
+                            .walked(&id, Some(&closest_peers), Instant::now());
                         if let Some(key) = walked {
                             self.walk_ended(key, Some(&closest_peers));
                         }
@@ -464,9 +469,11 @@ impl EventLoop {
                     // One that timed out still answers with what it found, but does not stand
                     // for the key afterwards.
                     let peers: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
-                    let walked =
-                        self.closest
-                            .walked(&id, complete.then(|| peers.clone()), Instant::now());
+                    let walked = self.closest.walked(
+                        &id,
+                        complete.then_some(peers.as_slice()),
+                        Instant::now(),
+                    );
                     if let Some(key) = walked {
                         self.walk_ended(key, Some(&peers));
                     }
