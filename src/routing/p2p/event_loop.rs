@@ -67,7 +67,7 @@ pub(crate) struct EventLoop {
     /// Providers found before we knew their HTTP address: delivered once identify arrives,
     /// dropped (ending those lookups' streams) when the dial fails or the peer goes away.
     awaiting_identify: HashMap<PeerId, Vec<mpsc::Sender<Peer>>>,
-    /// The closest nodes of keys walked lately, for picking a key's coordinator.
+    /// Walks by key, and the coordinators their ends named (kept 30 s).
     closest: Closest,
     /// Who waits for the coordinator of a key, until a walk for the key ends.
     coordinator_waiting: HashMap<String, Vec<mpsc::Sender<Peer>>>,
