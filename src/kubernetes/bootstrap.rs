@@ -9,7 +9,6 @@
 //! alone (a metadata-only watch) would not do: a pod's IP is in its status.
 
 use std::net::IpAddr;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -36,8 +35,10 @@ pub struct KubernetesBootstrap {
     api: Api<Pod>,
     selector: String,
     port: u16,
-    /// The last list: when it was asked, whether it answered, and the pod IPs it named.
-    last: Mutex<Option<(Instant, bool, Vec<IpAddr>)>>,
+    /// The last list: when it was asked, whether it answered, and the pod IPs it named. Held
+    /// across a list, so that resolutions started while one is slow (the event loop looks
+    /// again every 50 ms at first) wait for its answer instead of listing again.
+    last: tokio::sync::Mutex<Option<(Instant, bool, Vec<IpAddr>)>>,
 }
 
 impl std::fmt::Debug for KubernetesBootstrap {
@@ -56,29 +57,26 @@ impl KubernetesBootstrap {
             api: Api::namespaced(client, namespace),
             selector: selector.to_string(),
             port,
-            last: Mutex::new(None),
+            last: tokio::sync::Mutex::new(None),
         }
     }
 
     /// The pod IPs: the last list's while it stands, else a new list's.
     pub async fn pod_ips(&self) -> Vec<IpAddr> {
-        let now = Instant::now();
-        if let Some((at, answered, ips)) =
-            self.last.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
-        {
+        let mut last = self.last.lock().await;
+        if let Some((at, answered, ips)) = last.as_ref() {
             let stands = if *answered && ips.len() > 1 {
                 LIST_FRESH
             } else {
                 LIST_RETRY
             };
-            if now.duration_since(*at) < stands {
+            if at.elapsed() < stands {
                 return ips.clone();
             }
         }
         // `resourceVersion=0` ("any"): served from the API server's cache, not from etcd.
         let params = ListParams::default().labels(&self.selector).match_any();
         let listed = tokio::time::timeout(LIST_TIMEOUT, self.api.list(&params)).await;
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
         let previous = last.take().map(|(_, _, ips)| ips).unwrap_or_default();
         let (answered, ips) = match listed {
             Ok(Ok(list)) => (true, pod_ips(&list.items)),
