@@ -40,7 +40,9 @@ use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
 use ferry::problems::Problems;
 use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
-use ferry::routing::p2p::{DEFAULT_BOOTSTRAP_DIALS, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
+use ferry::routing::p2p::{
+    DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS,
+};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -506,6 +508,7 @@ fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode 
         psk: None,
         simulated_latency: shape.latency,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
+        idle_timeout: IDLE_CONNECTION_TIMEOUT,
     };
     let (router, task) = P2pRouter::start(
         config,

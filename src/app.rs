@@ -38,7 +38,7 @@ use crate::registry::{
 };
 use crate::routing::Router;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
-use crate::routing::p2p::{P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
+use crate::routing::p2p::{IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use crate::routing::sync::{self, SyncConfig};
 use crate::store::ContentStore;
 use crate::store::containerd::ContainerdStore;
@@ -236,6 +236,7 @@ impl PeerSetup {
                 psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
                 simulated_latency: None,
                 bootstrap_dials: settings.bootstrap_dials,
+                idle_timeout: IDLE_CONNECTION_TIMEOUT,
             },
             bootstrap: Bootstraps(sources),
             bootstrap_configured: !settings.bootstrap_peers.is_empty()

@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 use ferry::metrics::{DhtLabels, Metrics};
 use ferry::problems::Problems;
 use ferry::routing::bootstrap::{Bootstrap, StaticBootstrap, tcp_multiaddr};
-use ferry::routing::p2p::{DEFAULT_BOOTSTRAP_DIALS, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
+use ferry::routing::p2p::{
+    ANCHORS, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming,
+    REPLICAS,
+};
 use ferry::routing::{Peer, Router};
 use ferry::trust::ClusterSecret;
 use tokio::task::JoinHandle;
@@ -83,7 +86,7 @@ fn start_with(
         (p2p, http),
         (source, !bootstrap.is_empty()),
         psk,
-        timing,
+        (timing, IDLE_CONNECTION_TIMEOUT),
     )
 }
 
@@ -92,7 +95,7 @@ fn start_from(
     (p2p, http): (SocketAddr, SocketAddr),
     (bootstrap, configured): (Arc<dyn Bootstrap>, bool),
     psk: Option<[u8; 32]>,
-    timing: ProvideTiming,
+    (timing, idle_timeout): (ProvideTiming, Duration),
 ) -> Node {
     let config = P2pConfig {
         psk,
@@ -103,6 +106,7 @@ fn start_from(
         timing,
         simulated_latency: None,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
+        idle_timeout,
     };
     let token = CancellationToken::new();
     let metrics = Arc::new(Metrics::new());
@@ -269,7 +273,13 @@ async fn nodes_named_every_node_dial_a_few_yet_find_every_key_and_agree_on_coord
             let http = SocketAddr::new(LOOPBACK, free_port());
             let source: Arc<dyn Bootstrap> = listed.clone();
             let dir = tmp.path().join(format!("n{i}"));
-            start_from(&dir, (p2p, http), (source, true), None, TIMING)
+            start_from(
+                &dir,
+                (p2p, http),
+                (source, true),
+                None,
+                (TIMING, IDLE_CONNECTION_TIMEOUT),
+            )
         })
         .collect();
     // Every node is named to every node, itself included, as the pod list names them.
@@ -321,6 +331,94 @@ async fn nodes_named_every_node_dial_a_few_yet_find_every_key_and_agree_on_coord
             }
             let got = n.router.coordinator(&key).await.map(|p| p.addr);
             assert_eq!(got, Some(want), "key {k}");
+        }
+    }
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+/// Distinct pairs of connected nodes (each node counts its peers: each pair twice).
+fn connected_pairs(nodes: &[Node]) -> usize {
+    nodes
+        .iter()
+        .map(|n| n.router.connected_peers())
+        .sum::<usize>()
+        / 2
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_close_yet_every_node_keeps_a_few_peers_and_finds_every_key() {
+    const N: usize = 20;
+    /// Short, so the test sees connections close; Ferry's is a minute.
+    const IDLE: Duration = Duration::from_secs(2);
+    // Rounds far apart: between them a node's connections are only its anchors.
+    let timing = ProvideTiming {
+        ttl: Duration::from_secs(600),
+        interval: Duration::from_secs(300),
+        replicas: REPLICAS,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let listed = Arc::new(Listed::default());
+    let nodes: Vec<Node> = (0..N)
+        .map(|i| {
+            let p2p = SocketAddr::new(LOOPBACK, free_port());
+            let http = SocketAddr::new(LOOPBACK, free_port());
+            let source: Arc<dyn Bootstrap> = listed.clone();
+            let dir = tmp.path().join(format!("n{i}"));
+            start_from(&dir, (p2p, http), (source, true), None, (timing, IDLE))
+        })
+        .collect();
+    *listed.0.lock().unwrap() = nodes
+        .iter()
+        .map(|n| tcp_multiaddr(n.p2p.ip(), n.p2p.port()))
+        .collect();
+    let key_of = |i: usize| format!("sha256:{i:064x}");
+    for (i, n) in nodes.iter().enumerate() {
+        n.router.advertise(vec![key_of(i)]).await.unwrap();
+    }
+    // Every node dials every node, as a round of announcements does: far more connections
+    // than the anchors (they start closing after `IDLE`, so not all are seen at once).
+    let all: Vec<libp2p::Multiaddr> = listed.0.lock().unwrap().clone();
+    for n in &nodes {
+        n.router.dial(all.clone()).await.unwrap();
+    }
+    let mut busy = 0;
+    eventually("more connections than anchors", || {
+        busy = busy.max(connected_pairs(&nodes));
+        async move { busy > 2 * N * ANCHORS }
+    })
+    .await;
+
+    // Idle: every connection but the anchors closes. Each pair left is held by one of its
+    // two nodes at least, and a node holds at most `ANCHORS`.
+    eventually("idle connections closed", || {
+        let pairs = connected_pairs(&nodes);
+        async move { pairs <= N * ANCHORS }
+    })
+    .await;
+    // And they stay: no node is ever left without a peer (not ready, bootstrapping again).
+    let quiet = Instant::now();
+    while quiet.elapsed() < IDLE * 4 {
+        for (i, n) in nodes.iter().enumerate() {
+            assert!(n.router.connected_peers() > 0, "node {i} lost every peer");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let idle = connected_pairs(&nodes);
+    eprintln!("connected pairs: {busy} or more after dialling, {idle} idle");
+    assert!(idle <= N * ANCHORS);
+    // Lookups walk through nodes no longer connected: they dial them and still find, each
+    // node three others' keys.
+    for (a, asker) in nodes.iter().enumerate() {
+        for i in (1..=3).map(|d| (a + d * 7) % N) {
+            eventually("a key found after the connections closed", || async {
+                providers(&asker.router, &key_of(i))
+                    .await
+                    .iter()
+                    .any(|p| p.addr == nodes[i].http)
+            })
+            .await;
         }
     }
     for n in nodes {

@@ -1,5 +1,6 @@
-//! The swarm's behaviour: Kademlia (server mode, private protocol name) and identify, which
-//! carries each node's HTTP peer address in its agent version.
+//! The swarm's behaviour: Kademlia (server mode, private protocol name), identify, which
+//! carries each node's HTTP peer address in its agent version, batched provider records and
+//! the anchors that keep a few connections open (`anchors.rs`).
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
@@ -9,6 +10,7 @@ use libp2p::identity::Keypair;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{StreamProtocol, identify, kad, request_response};
 
+use super::anchors;
 use super::announce::{ProvideAck, ProvideBatch};
 use super::store::ProviderStore;
 
@@ -38,6 +40,7 @@ pub struct Behaviour {
     pub kad: kad::Behaviour<ProviderStore>,
     pub identify: identify::Behaviour,
     pub provide: request_response::json::Behaviour<ProvideBatch, ProvideAck>,
+    pub anchors: anchors::Behaviour,
 }
 
 /// How provider records are kept: their lifetime and re-announcement (`--provide-ttl`,
@@ -102,6 +105,7 @@ impl Behaviour {
             kad,
             identify,
             provide,
+            anchors: anchors::Behaviour::new(anchors::ANCHORS, anchors::MAX_INBOUND),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use libp2p::kad::{self, GetProvidersOk, QueryId, QueryResult};
-use libp2p::swarm::SwarmEvent;
+use libp2p::swarm::{DialError, SwarmEvent};
 use libp2p::swarm::dial_opts::DialOpts;
 use libp2p::{PeerId, Swarm, identify};
 use tokio::sync::mpsc;
@@ -272,11 +272,31 @@ impl EventLoop {
             }
             None => {
                 self.awaiting_identify.entry(peer).or_default().push(reply);
-                if !self.swarm.is_connected(&peer)
-                    && let Err(e) = self.swarm.dial(peer)
-                {
-                    tracing::debug!(%peer, error = %e, "cannot dial peer");
-                    self.awaiting_identify.remove(&peer);
+                if self.swarm.is_connected(&peer) {
+                    return;
+                }
+                // Connections idle out (`anchors.rs`): a provider may be a node this one has
+                // never been connected to, known only from its record here, which carries
+                // its addresses (Kademlia adds those it knows, and those a walk just found).
+                let addrs = self
+                    .swarm
+                    .behaviour_mut()
+                    .kad
+                    .store_mut()
+                    .addresses_of(&peer)
+                    .to_vec();
+                let opts = DialOpts::peer_id(peer)
+                    .addresses(addrs)
+                    .extend_addresses_through_behaviour()
+                    .build();
+                match self.swarm.dial(opts) {
+                    Ok(()) => {}
+                    // Being dialled already (a walk's request): identify follows that one.
+                    Err(DialError::DialPeerConditionFalse(_)) => {}
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "cannot dial peer");
+                        self.awaiting_identify.remove(&peer);
+                    }
                 }
             }
         }

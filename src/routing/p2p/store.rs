@@ -98,6 +98,15 @@ impl ProviderStore {
         gone
     }
 
+    /// The addresses `id`'s records carry (none if it has no record here): to reach a
+    /// provider this node holds a record of but has no connection to and Kademlia may not
+    /// know (a node's routing table holds a few hundred of a thousand nodes).
+    pub fn addresses_of(&self, id: &PeerId) -> &[Multiaddr] {
+        self.number_of(id)
+            .and_then(|n| self.peers.get(n as usize)?.as_ref())
+            .map_or(&[], |p| p.addresses.as_slice())
+    }
+
     fn number_of(&self, id: &PeerId) -> Option<u32> {
         self.numbers.get(id).copied()
     }
@@ -450,9 +459,11 @@ mod tests {
         let found = store.providers(&RecordKey::new(&"k7"));
         assert_eq!(
             (found[0].provider, &found[0].addresses),
-            (other, &vec![addr])
+            (other, &vec![addr.clone()])
         );
         assert_eq!(found[0].key, RecordKey::new(&"k7"));
+        assert_eq!(store.addresses_of(&other), std::slice::from_ref(&addr));
+        assert!(store.addresses_of(&PeerId::random()).is_empty());
         store.expire(now + Duration::from_secs(120));
         assert!(store.providers.is_empty());
         assert!(

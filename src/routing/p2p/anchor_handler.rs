@@ -1,0 +1,202 @@
+//! One connection's side of the anchor protocol (`anchors.rs`). The holder opens a stream and
+//! writes one byte every [`PING_EVERY`]; the other side echoes it. The open stream is what
+//! keeps the connection (libp2p closes a connection only once it has no stream for the idle
+//! timeout, on either side); the ping finds a peer that vanished without closing (a node
+//! powered off leaves its sockets open on the other side), whose connection is then closed.
+
+use std::collections::VecDeque;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, FutureExt};
+use libp2p::StreamProtocol;
+use libp2p::core::upgrade::ReadyUpgrade;
+use libp2p::swarm::handler::{ConnectionEvent, FullyNegotiatedInbound, FullyNegotiatedOutbound};
+use libp2p::swarm::{ConnectionHandler, ConnectionHandlerEvent, SubstreamProtocol};
+
+pub const ANCHOR_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/anchor/1.0.0");
+/// How often the holder pings: well inside the idle timeout of a plain connection, so that a
+/// dead peer is found long before anyone relies on it again.
+pub const PING_EVERY: Duration = Duration::from_secs(15);
+/// A ping not answered within this closes the connection.
+const PING_TIMEOUT: Duration = Duration::from_secs(10);
+/// The echoing side lets go of an anchor whose holder has not pinged for this long.
+const HOLDER_SILENT: Duration = Duration::from_secs(45);
+
+#[derive(Debug)]
+pub enum Command {
+    /// Hold this connection.
+    Hold,
+    /// Let go of the anchor the peer holds on this connection.
+    Release,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    Held,
+    /// The peer closed the anchor stream (or does not speak the protocol).
+    Lost,
+    /// The peer stopped answering pings: the connection is to be closed.
+    Dead,
+    /// The peer holds this connection.
+    Anchored,
+    /// It let go of it.
+    Unanchored,
+}
+
+#[derive(Debug, PartialEq)]
+enum HoldEnd {
+    Closed,
+    Silent,
+}
+
+#[derive(Default)]
+pub struct Handler {
+    requested: bool,
+    holding: Option<BoxFuture<'static, HoldEnd>>,
+    echoing: Option<BoxFuture<'static, ()>>,
+    events: VecDeque<Event>,
+}
+
+async fn hold<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S) -> HoldEnd {
+    let mut byte = [0u8; 1];
+    loop {
+        tokio::time::sleep(PING_EVERY).await;
+        if stream.write_all(&[1]).await.is_err() || stream.flush().await.is_err() {
+            return HoldEnd::Closed;
+        }
+        match tokio::time::timeout(PING_TIMEOUT, stream.read_exact(&mut byte)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return HoldEnd::Closed,
+            Err(_) => return HoldEnd::Silent,
+        }
+    }
+}
+
+async fn echo<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S) {
+    let mut byte = [0u8; 1];
+    while let Ok(Ok(())) = tokio::time::timeout(HOLDER_SILENT, stream.read_exact(&mut byte)).await {
+        if stream.write_all(&byte).await.is_err() || stream.flush().await.is_err() {
+            return;
+        }
+    }
+}
+
+impl ConnectionHandler for Handler {
+    type FromBehaviour = Command;
+    type ToBehaviour = Event;
+    type InboundProtocol = ReadyUpgrade<StreamProtocol>;
+    type OutboundProtocol = ReadyUpgrade<StreamProtocol>;
+    type InboundOpenInfo = ();
+    type OutboundOpenInfo = ();
+
+    fn listen_protocol(&self) -> SubstreamProtocol<Self::InboundProtocol> {
+        SubstreamProtocol::new(ReadyUpgrade::new(ANCHOR_PROTOCOL), ())
+    }
+
+    fn on_behaviour_event(&mut self, command: Command) {
+        match command {
+            Command::Hold => {
+                if self.holding.is_none() {
+                    self.requested = true;
+                }
+            }
+            Command::Release => {
+                // Dropping the stream resets it: the holder's next ping fails.
+                self.echoing = None;
+            }
+        }
+    }
+
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<ConnectionHandlerEvent<Self::OutboundProtocol, (), Event>> {
+        if let Some(event) = self.events.pop_front() {
+            return Poll::Ready(ConnectionHandlerEvent::NotifyBehaviour(event));
+        }
+        if std::mem::take(&mut self.requested) {
+            return Poll::Ready(ConnectionHandlerEvent::OutboundSubstreamRequest {
+                protocol: SubstreamProtocol::new(ReadyUpgrade::new(ANCHOR_PROTOCOL), ()),
+            });
+        }
+        if let Some(holding) = &mut self.holding
+            && let Poll::Ready(end) = holding.poll_unpin(cx)
+        {
+            self.holding = None;
+            let event = match end {
+                HoldEnd::Closed => Event::Lost,
+                HoldEnd::Silent => Event::Dead,
+            };
+            return Poll::Ready(ConnectionHandlerEvent::NotifyBehaviour(event));
+        }
+        if let Some(echoing) = &mut self.echoing
+            && echoing.poll_unpin(cx).is_ready()
+        {
+            self.echoing = None;
+            return Poll::Ready(ConnectionHandlerEvent::NotifyBehaviour(Event::Unanchored));
+        }
+        Poll::Pending
+    }
+
+    fn on_connection_event(
+        &mut self,
+        event: ConnectionEvent<Self::InboundProtocol, Self::OutboundProtocol>,
+    ) {
+        match event {
+            ConnectionEvent::FullyNegotiatedOutbound(FullyNegotiatedOutbound {
+                protocol: stream,
+                ..
+            }) => {
+                self.holding = Some(hold(stream).boxed());
+                self.events.push_back(Event::Held);
+            }
+            ConnectionEvent::FullyNegotiatedInbound(FullyNegotiatedInbound {
+                protocol: stream,
+                ..
+            }) => {
+                // A second anchor from the same peer on this connection replaces the first.
+                self.echoing = Some(echo(stream).boxed());
+                self.events.push_back(Event::Anchored);
+            }
+            ConnectionEvent::DialUpgradeError(_) => self.events.push_back(Event::Lost),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_util::compat::TokioAsyncReadCompatExt;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_anchor_answered_is_held_until_its_peer_lets_go() {
+        let (a, b) = tokio::io::duplex(64);
+        let echoing = tokio::spawn(echo(b.compat()));
+        let holding = tokio::spawn(hold(a.compat()));
+        tokio::time::sleep(PING_EVERY * 40).await;
+        assert!(!holding.is_finished(), "held for ten minutes of pings");
+        echoing.abort();
+        assert_eq!(holding.await.unwrap(), HoldEnd::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_stops_answering_is_found_within_a_ping_and_its_timeout() {
+        // The other side keeps its socket open and never reads: a node powered off.
+        let (a, _b) = tokio::io::duplex(64);
+        let started = tokio::time::Instant::now();
+        assert_eq!(hold(a.compat()).await, HoldEnd::Silent);
+        assert_eq!(started.elapsed(), PING_EVERY + PING_TIMEOUT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_anchor_whose_holder_went_quiet_is_let_go() {
+        let (_a, b) = tokio::io::duplex(64);
+        let started = tokio::time::Instant::now();
+        echo(b.compat()).await;
+        assert_eq!(started.elapsed(), HOLDER_SILENT);
+    }
+}
