@@ -55,6 +55,8 @@ const HTTP_BASE: u16 = 40_000;
 const DEFAULT_INTERVAL_S: f64 = 600.0;
 /// Between two lookups of one worker process (about 50 lookups a second per process).
 const LOOKUP_GAP: Duration = Duration::from_millis(20);
+/// How often connections are counted during the steady-state window.
+const CONNECTION_SAMPLE: Duration = Duration::from_secs(10);
 /// The simulation stops when its processes hold more than this (the machine has 24 GiB).
 const MEMORY_LIMIT_MIB: f64 = 20.0 * 1024.0;
 /// The simulation stops when the nodes' first announcements take longer than this.
@@ -356,8 +358,25 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     eprintln!("    steady state for {} s", window.as_secs());
     let before = all(&mut workers, |_| json!({ "cmd": "stats" }));
     let bytes_before = ns.lo_bytes();
-    std::thread::sleep(window);
-    let after = all(&mut workers, |_| json!({ "cmd": "stats" }));
+    // Connections come and go with the rounds (idle ones close after a minute): sampled
+    // through the window, each node's peers on average and the most any node had.
+    let (mut samples, mut connections_sum, mut connections_max) = (0usize, 0.0, 0.0f64);
+    let window_end = Instant::now() + window;
+    let after = loop {
+        std::thread::sleep(
+            CONNECTION_SAMPLE.min(window_end.saturating_duration_since(Instant::now())),
+        );
+        let stats = all(&mut workers, |_| json!({ "cmd": "stats" }));
+        samples += 1;
+        connections_sum += sum(&stats, "connections") / n as f64;
+        connections_max = stats
+            .iter()
+            .filter_map(|s| s["connections_max"].as_f64())
+            .fold(connections_max, f64::max);
+        if Instant::now() >= window_end {
+            break stats;
+        }
+    };
     let bytes_after = ns.lo_bytes();
     let received = sum(&after, "dht_requests") - sum(&before, "dht_requests");
     let secs = window.as_secs_f64();
@@ -369,7 +388,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let rested_per_round =
         (sum(&after, "rested") - sum(&before, "rested")) / n as f64 / (secs / mean_round);
     let rss_mib = sum(&after, "rss_kib") / 1024.0 / n as f64;
-    let connections = sum(&after, "connections") / n as f64;
+    let connections = connections_sum / samples as f64;
     // Since start: every node of the first start; restarted nodes add theirs below.
     let dials = sum(&after, "bootstrap_dials") / n as f64;
 
@@ -426,6 +445,8 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "sim_interval_s": opts.interval_s,
         "rss_mib_per_node": round3(rss_mib),
         "connections_per_node": round3(connections),
+        "connections_per_node_max": connections_max,
+        "connection_samples": samples,
         "bootstrap_dials_per_node": round3(dials),
         "start_all_announced_s": round3(announced_s.max(start_s)),
         "findable_after_start_s": round3(percentile(&findable, 1.0)),
@@ -589,6 +610,7 @@ fn stats(nodes: &Nodes) -> Value {
     let mut pending = 0i64;
     let mut requests = 0u64;
     let mut connections = 0usize;
+    let mut connections_max = 0usize;
     let mut alone = 0usize;
     let mut rested = 0u64;
     let mut dials = 0u64;
@@ -605,12 +627,14 @@ fn stats(nodes: &Nodes) -> Value {
         }
         let c = n.router.connected_peers();
         connections += c;
+        connections_max = connections_max.max(c);
         alone += usize::from(c == 0);
     }
     json!({
         "pending": pending,
         "dht_requests": requests,
         "connections": connections,
+        "connections_max": connections_max,
         "alone": alone,
         "rested": rested,
         "bootstrap_dials": dials,
@@ -792,7 +816,7 @@ fn f(v: &Value) -> String {
 
 fn table(report: &Value) -> String {
     let mut out = String::from(
-        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node | bootstrap dials/node | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node (mean / most) | bootstrap dials/node | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in report["runs"].as_array().cloned().unwrap_or_default() {
         if let Some(mib) = r["did_not_fit_mib"].as_f64() {
@@ -810,7 +834,7 @@ fn table(report: &Value) -> String {
             continue;
         }
         out.push_str(&format!(
-            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} | {} | {}/{} / {}/{} |\n",
+            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} / {} | {} | {}/{} / {}/{} |\n",
             r["nodes"],
             r["digests_per_node"],
             f(&r["lookup_ms_p50"]),
@@ -820,6 +844,7 @@ fn table(report: &Value) -> String {
             f(&r["rss_mib_per_node"]),
             f(&r["findable_after_start_s"]),
             f(&r["connections_per_node"]),
+            f(&r["connections_per_node_max"]),
             f(&r["bootstrap_dials_per_node"]),
             r["lookups_not_found"],
             r["lookups"],

@@ -145,6 +145,9 @@ impl Plan {
 pub struct Behaviour {
     plan: Plan,
     actions: VecDeque<ToSwarm<Infallible, Command>>,
+    /// Something changed (a connection, an anchor) since the plan was last asked: the swarm
+    /// polls its behaviours on every event, and asking scans every connection.
+    changed: bool,
     waker: Option<Waker>,
 }
 
@@ -153,11 +156,13 @@ impl Behaviour {
         Behaviour {
             plan: Plan::new(want, max_inbound),
             actions: VecDeque::new(),
+            changed: false,
             waker: None,
         }
     }
 
     fn wake(&mut self) {
+        self.changed = true;
         if let Some(w) = self.waker.take() {
             w.wake();
         }
@@ -241,12 +246,17 @@ impl NetworkBehaviour for Behaviour {
         if let Some(action) = self.actions.pop_front() {
             return Poll::Ready(action);
         }
-        if let Some((peer, connection)) = self.plan.next(Instant::now()) {
-            return Poll::Ready(ToSwarm::NotifyHandler {
-                peer_id: peer,
-                handler: NotifyHandler::One(connection),
-                event: Command::Hold,
-            });
+        if self.changed {
+            match self.plan.next(Instant::now()) {
+                Some((peer, connection)) => {
+                    return Poll::Ready(ToSwarm::NotifyHandler {
+                        peer_id: peer,
+                        handler: NotifyHandler::One(connection),
+                        event: Command::Hold,
+                    });
+                }
+                None => self.changed = false,
+            }
         }
         self.waker = Some(cx.waker().clone());
         Poll::Pending

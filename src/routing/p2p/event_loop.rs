@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use libp2p::kad::{self, GetProvidersOk, QueryId, QueryResult};
-use libp2p::swarm::{DialError, SwarmEvent};
 use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::{DialError, SwarmEvent};
 use libp2p::{PeerId, Swarm, identify};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
