@@ -252,6 +252,39 @@ impl Bootstrap for Listed {
     }
 }
 
+/// The tests of 16-20 nodes run one at a time: side by side on 2 cores, walks and coordinator
+/// waits (0.5 s) ran out under the other's load.
+static MANY_NODES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// `n` nodes whose bootstrap source names every one of them, itself included, once all
+/// listen (as the pod list names every Ferry pod).
+fn listed_nodes(
+    tmp: &std::path::Path,
+    n: usize,
+    timing: (ProvideTiming, Duration),
+) -> (Vec<Node>, Arc<Listed>) {
+    let listed = Arc::new(Listed::default());
+    let nodes: Vec<Node> = (0..n)
+        .map(|i| {
+            let p2p = SocketAddr::new(LOOPBACK, free_port());
+            let http = SocketAddr::new(LOOPBACK, free_port());
+            let source: Arc<dyn Bootstrap> = listed.clone();
+            start_from(
+                &tmp.join(format!("n{i}")),
+                (p2p, http),
+                (source, true),
+                None,
+                timing,
+            )
+        })
+        .collect();
+    *listed.0.lock().unwrap() = nodes
+        .iter()
+        .map(|n| tcp_multiaddr(n.p2p.ip(), n.p2p.port()))
+        .collect();
+    (nodes, listed)
+}
+
 /// The node of `nodes` whose ID is XOR-closest to `key`, by Kademlia's metric.
 fn closest_to<'a>(nodes: &'a [Node], key: &str) -> &'a Node {
     use libp2p::kad::{KBucketKey, RecordKey};
@@ -265,28 +298,9 @@ fn closest_to<'a>(nodes: &'a [Node], key: &str) -> &'a Node {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_named_every_node_dial_a_few_yet_find_every_key_and_agree_on_coordinators() {
     const N: usize = 16;
+    let _one_at_a_time = MANY_NODES.lock().await;
     let tmp = tempfile::tempdir().unwrap();
-    let listed = Arc::new(Listed::default());
-    let nodes: Vec<Node> = (0..N)
-        .map(|i| {
-            let p2p = SocketAddr::new(LOOPBACK, free_port());
-            let http = SocketAddr::new(LOOPBACK, free_port());
-            let source: Arc<dyn Bootstrap> = listed.clone();
-            let dir = tmp.path().join(format!("n{i}"));
-            start_from(
-                &dir,
-                (p2p, http),
-                (source, true),
-                None,
-                (TIMING, IDLE_CONNECTION_TIMEOUT),
-            )
-        })
-        .collect();
-    // Every node is named to every node, itself included, as the pod list names them.
-    *listed.0.lock().unwrap() = nodes
-        .iter()
-        .map(|n| tcp_multiaddr(n.p2p.ip(), n.p2p.port()))
-        .collect();
+    let (nodes, _) = listed_nodes(tmp.path(), N, (TIMING, IDLE_CONNECTION_TIMEOUT));
     eventually("every node connected", || {
         let all = nodes.iter().all(|n| n.router.connected_peers() > 0);
         async move { all }
@@ -359,20 +373,8 @@ async fn idle_connections_close_yet_every_node_keeps_a_few_peers_and_finds_every
         replicas: REPLICAS,
     };
     let tmp = tempfile::tempdir().unwrap();
-    let listed = Arc::new(Listed::default());
-    let nodes: Vec<Node> = (0..N)
-        .map(|i| {
-            let p2p = SocketAddr::new(LOOPBACK, free_port());
-            let http = SocketAddr::new(LOOPBACK, free_port());
-            let source: Arc<dyn Bootstrap> = listed.clone();
-            let dir = tmp.path().join(format!("n{i}"));
-            start_from(&dir, (p2p, http), (source, true), None, (timing, IDLE))
-        })
-        .collect();
-    *listed.0.lock().unwrap() = nodes
-        .iter()
-        .map(|n| tcp_multiaddr(n.p2p.ip(), n.p2p.port()))
-        .collect();
+    let _one_at_a_time = MANY_NODES.lock().await;
+    let (nodes, listed) = listed_nodes(tmp.path(), N, (timing, IDLE));
     let key_of = |i: usize| format!("sha256:{i:064x}");
     for (i, n) in nodes.iter().enumerate() {
         n.router.advertise(vec![key_of(i)]).await.unwrap();
