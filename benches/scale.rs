@@ -19,8 +19,10 @@
 //! node count and digest count, replaced when re-run) and drawn in `<out>/scale.png`.
 //!
 //! `cargo bench --bench scale -- [--nodes 100,300,1000] [--digests 10000] [--shared 0.8]
-//! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120] [--out DIR]
-//! [--replot]`. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
+//! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120]
+//! [--start-spread-s 0] [--window-s 240] [--out DIR] [--replot]`. `--start-spread-s` starts the
+//! nodes one after another over that time instead of all at once; a `--window-s` shorter than
+//! the interval holds no full round, and the announce traffic is then the first round's. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
 
 #![allow(clippy::unwrap_used)] // a benchmark harness: failures are loud on purpose
 
@@ -33,6 +35,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -71,6 +74,10 @@ struct Options {
     interval_s: u64,
     per_worker: usize,
     churn_s: u64,
+    /// Nodes start one after another over this many seconds (0: all at once).
+    start_spread_s: u64,
+    /// The steady-state window; two intervals unless given.
+    window_s: Option<u64>,
     out: PathBuf,
     replot: bool,
 }
@@ -84,6 +91,8 @@ fn options(args: &[String]) -> Options {
         interval_s: 120,
         per_worker: 50,
         churn_s: 120,
+        start_spread_s: 0,
+        window_s: None,
         out: PathBuf::from("benches/results"),
         replot: false,
     };
@@ -98,6 +107,8 @@ fn options(args: &[String]) -> Options {
             "--interval-s" => o.interval_s = v().parse().unwrap(),
             "--per-worker" => o.per_worker = v().parse().unwrap(),
             "--churn-s" => o.churn_s = v().parse().unwrap(),
+            "--start-spread-s" => o.start_spread_s = v().parse().unwrap(),
+            "--window-s" => o.window_s = Some(v().parse().unwrap()),
             "--out" => o.out = PathBuf::from(v()),
             "--replot" => o.replot = true,
             "--bench" => {}
@@ -150,16 +161,32 @@ fn main() {
         println!("{}", serde_json::to_string_pretty(&run).unwrap());
         let runs = report["runs"].as_array_mut().unwrap();
         runs.retain(|r| {
-            !(r["nodes"] == run["nodes"] && r["digests_per_node"] == run["digests_per_node"])
+            !(r["nodes"] == run["nodes"]
+                && r["digests_per_node"] == run["digests_per_node"]
+                && mode(r) == mode(&run))
         });
         runs.push(run);
-        runs.sort_by_key(|r| (r["digests_per_node"].as_u64(), r["nodes"].as_u64()));
+        runs.sort_by_key(|r| {
+            (
+                r["digests_per_node"].as_u64(),
+                mode(r).to_string(),
+                r["nodes"].as_u64(),
+            )
+        });
         report["machine"] = json!(machine());
         std::fs::create_dir_all(&opts.out).unwrap();
         std::fs::write(&json_path, serde_json::to_string_pretty(&report).unwrap()).unwrap();
         chart(&report, &opts.out.join("scale.png"));
     }
     println!("{}", table(&report));
+}
+
+/// How a run measured its announce traffic: over a steady window of full rounds (every run
+/// before `--window-s`), or over the first round. A row is replaced only by one of its kind.
+fn mode(run: &Value) -> &str {
+    run["announce_measured_over"]
+        .as_str()
+        .unwrap_or("steady window")
 }
 
 fn machine() -> String {
@@ -311,19 +338,26 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         })
         .collect();
 
-    // Start: every node at once (as a new cluster's DaemonSet does), each advertising all its
-    // keys; done when no node has an announcement waiting.
+    // Start: every node at once (as a new cluster's DaemonSet does), or one after another over
+    // `--start-spread-s` (a rolling update; also how a long-running cluster's rounds are
+    // spread), each advertising all its keys; done when no node has an announcement waiting.
     let started = Instant::now();
-    all(&mut workers, |_| json!({ "cmd": "start" }));
+    let bytes_at_start = ns.lo_bytes();
+    let spread = opts.start_spread_s;
+    all(
+        &mut workers,
+        |_| json!({ "cmd": "start", "spread_s": spread }),
+    );
     let start_s = started.elapsed().as_secs_f64();
     let mut idle_checks = 0;
-    let announced_s = loop {
+    let (announced_s, settled) = loop {
         std::thread::sleep(Duration::from_secs(2));
         let stats = all(&mut workers, |_| json!({ "cmd": "stats" }));
         let pending = sum(&stats, "pending");
         let alone = sum(&stats, "alone");
+        let unstarted = sum(&stats, "unstarted");
         eprintln!(
-            "    {:>5.0} s: {pending} keys waiting to be announced, {alone} nodes without peers, {:.0} MiB",
+            "    {:>5.0} s: {unstarted} nodes to start, {pending} keys waiting to be announced, {alone} nodes without peers, {:.0} MiB",
             started.elapsed().as_secs_f64(),
             sum(&stats, "rss_kib") / 1024.0
         );
@@ -334,7 +368,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
             return json!({ "nodes": n, "digests_per_node": opts.digests, "did_not_fit_mib": rss.round() });
         }
         // The machine's 2 cores cannot carry every node's work: say so instead of waiting.
-        if started.elapsed() > START_LIMIT {
+        if started.elapsed() > START_LIMIT + Duration::from_secs(spread) {
             eprintln!(
                 "    not settled after {} s: the simulation outgrew this machine's CPU",
                 START_LIMIT.as_secs()
@@ -343,18 +377,27 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
             return json!({ "nodes": n, "digests_per_node": opts.digests, "did_not_settle_s": START_LIMIT.as_secs() });
         }
         // Twice in a row: a round just finishing can show 0 between two walks.
-        idle_checks = if pending == 0.0 && alone == 0.0 {
+        idle_checks = if pending == 0.0 && alone == 0.0 && unstarted == 0.0 {
             idle_checks + 1
         } else {
             0
         };
         if idle_checks == 2 {
-            break started.elapsed().as_secs_f64() - 2.0;
+            break (started.elapsed().as_secs_f64() - 2.0, stats);
         }
     };
+    // The first round: every node announcing every key, nothing resting yet (requests
+    // received per node; the bootstrap's own walks are in it too).
+    let first_round_msgs = sum(&settled, "dht_requests") / n as f64;
+    // CPU of every process of the simulation (the nodes, their delay lines, the harness).
+    let first_round_cpu = sum(&settled, "cpu_s") / n as f64;
+    let first_round_bytes = (ns.lo_bytes() - bytes_at_start) as f64 / n as f64;
 
-    // Steady state: two re-announcement intervals with nothing but the DHT's own traffic.
-    let window = Duration::from_secs(2 * opts.interval_s);
+    // Steady state: two re-announcement intervals with nothing but the DHT's own traffic. A
+    // window shorter than an interval holds no full round: the announce traffic is then the
+    // first round's, an upper bound (resting only lowers it).
+    let window = Duration::from_secs(opts.window_s.unwrap_or(2 * opts.interval_s));
+    let from_first_round = window.as_secs() < opts.interval_s;
     eprintln!("    steady state for {} s", window.as_secs());
     let before = all(&mut workers, |_| json!({ "cmd": "stats" }));
     let bytes_before = ns.lo_bytes();
@@ -382,11 +425,25 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let secs = window.as_secs_f64();
     let mean_round = 0.875 * opts.interval_s as f64;
     // Per node per round, then at the default interval's mean round.
-    let per_round = received / n as f64 / (secs / mean_round);
+    let (per_round, bytes_per_round) = if from_first_round {
+        (first_round_msgs, first_round_bytes)
+    } else {
+        (
+            received / n as f64 / (secs / mean_round),
+            (bytes_after - bytes_before) as f64 / n as f64 / (secs / mean_round),
+        )
+    };
     let msgs_default = per_round / (0.875 * DEFAULT_INTERVAL_S);
-    let bytes_per_round = (bytes_after - bytes_before) as f64 / n as f64 / (secs / mean_round);
-    let rested_per_round =
-        (sum(&after, "rested") - sum(&before, "rested")) / n as f64 / (secs / mean_round);
+    let cpu_per_round = if from_first_round {
+        first_round_cpu
+    } else {
+        (sum(&after, "cpu_s") - sum(&before, "cpu_s")) / n as f64 / (secs / mean_round)
+    };
+    let rested_per_round = if from_first_round {
+        f64::NAN
+    } else {
+        (sum(&after, "rested") - sum(&before, "rested")) / n as f64 / (secs / mean_round)
+    };
     let rss_mib = sum(&after, "rss_kib") / 1024.0 / n as f64;
     let connections = connections_sum / samples as f64;
     // Since start: every node of the first start; restarted nodes add theirs below.
@@ -441,6 +498,12 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "announce_msgs_per_node_per_round": round3(per_round),
         "keys_rested_per_node_per_round": round3(rested_per_round),
         "announce_bytes_per_node_per_round": bytes_per_round.round(),
+        "announce_measured_over": if from_first_round { "first round" } else { "steady window" },
+        "first_round_msgs_per_node": round3(first_round_msgs),
+        "first_round_cpu_s_per_node": round3(first_round_cpu),
+        "cpu_s_per_node_per_round": round3(cpu_per_round),
+        "first_round_bytes_per_node": first_round_bytes.round(),
+        "start_spread_s": spread,
         "steady_window_s": secs,
         "sim_interval_s": opts.interval_s,
         "rss_mib_per_node": round3(rss_mib),
@@ -563,6 +626,9 @@ fn rand_below(n: usize) -> usize {
 
 type Nodes = Arc<Mutex<HashMap<usize, SimNode>>>;
 
+/// This worker's nodes not started yet (`--start-spread-s`).
+static UNSTARTED: AtomicUsize = AtomicUsize::new(0);
+
 async fn serve(lo: usize, hi: usize, shape: Shape) {
     use tokio::io::AsyncBufReadExt;
     let nodes: Nodes = Arc::new(Mutex::new(HashMap::new()));
@@ -571,12 +637,23 @@ async fn serve(lo: usize, hi: usize, shape: Shape) {
         let command: Value = serde_json::from_str(&line).unwrap();
         let answer = match command["cmd"].as_str().unwrap_or("") {
             "start" => {
-                for i in lo..hi {
-                    let node = start_node(i, i, &format!("n{i}"), &shape);
-                    nodes.lock().unwrap().insert(i, node);
-                    tokio::task::yield_now().await;
-                }
-                json!({ "started": hi - lo })
+                // Node `i` starts `i / n` of the spread in: in order across the workers, so
+                // every node's bootstrap list (the nodes before it) is already listening.
+                let spread = Duration::from_secs(command["spread_s"].as_u64().unwrap_or(0));
+                let (nodes, shape) = (nodes.clone(), shape.clone());
+                UNSTARTED.store(hi - lo, Ordering::SeqCst);
+                let begun = tokio::time::Instant::now();
+                tokio::spawn(async move {
+                    for i in lo..hi {
+                        tokio::time::sleep_until(begun + spread.mul_f64(i as f64 / shape.n as f64))
+                            .await;
+                        let node = start_node(i, i, &format!("n{i}"), &shape);
+                        nodes.lock().unwrap().insert(i, node);
+                        UNSTARTED.fetch_sub(1, Ordering::SeqCst);
+                        tokio::task::yield_now().await;
+                    }
+                });
+                json!({ "starting": hi - lo })
             }
             "stats" => stats(&nodes),
             "lookups" => {
@@ -638,8 +715,25 @@ fn stats(nodes: &Nodes) -> Value {
         "alone": alone,
         "rested": rested,
         "bootstrap_dials": dials,
+        "unstarted": UNSTARTED.load(Ordering::SeqCst),
         "rss_kib": rss_kib(),
+        "cpu_s": cpu_s(),
     })
+}
+
+/// CPU time this worker process has used (user and system, all its threads), in seconds.
+fn cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which is in parentheses and may hold spaces): utime and
+    // stime are the 12th and 13th, in clock ticks (100 a second on Linux).
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let ticks: Vec<f64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    ticks.iter().sum::<f64>() / 100.0
 }
 
 fn rss_kib() -> u64 {
@@ -816,36 +910,43 @@ fn f(v: &Value) -> String {
 
 fn table(report: &Value) -> String {
     let mut out = String::from(
-        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node (mean / most) | bootstrap dials/node | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node (mean / most) | bootstrap dials/node | CPU s/node/round | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in report["runs"].as_array().cloned().unwrap_or_default() {
         if let Some(mib) = r["did_not_fit_mib"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | did not fit: {mib:.0} MiB before the start was over ||||||||\n",
+                "| {} | {} | did not fit: {mib:.0} MiB before the start was over |||||||||\n",
                 r["nodes"], r["digests_per_node"]
             ));
             continue;
         }
         if let Some(s) = r["did_not_settle_s"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores ||||||||\n",
+                "| {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores |||||||||\n",
                 r["nodes"], r["digests_per_node"]
             ));
             continue;
         }
+        // Measured over the first round only (a window without a full round): an upper bound.
+        let msgs = if mode(&r) == "first round" {
+            format!("≤ {} (first round)", f(&r["announce_msgs_per_node_per_s"]))
+        } else {
+            f(&r["announce_msgs_per_node_per_s"])
+        };
         out.push_str(&format!(
-            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} / {} | {} | {}/{} / {}/{} |\n",
+            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} / {} | {} | {} | {}/{} / {}/{} |\n",
             r["nodes"],
             r["digests_per_node"],
             f(&r["lookup_ms_p50"]),
             f(&r["lookup_ms_p99"]),
             f(&r["notfound_ms_p50"]),
-            f(&r["announce_msgs_per_node_per_s"]),
+            msgs,
             f(&r["rss_mib_per_node"]),
             f(&r["findable_after_start_s"]),
             f(&r["connections_per_node"]),
             f(&r["connections_per_node_max"]),
             f(&r["bootstrap_dials_per_node"]),
+            f(&r["cpu_s_per_node_per_round"]),
             r["lookups_not_found"],
             r["lookups"],
             r["churn_lookups_not_found"],
@@ -864,12 +965,13 @@ fn chart(report: &Value, path: &Path) {
     use plotters::prelude::*;
     report::register_font();
     let runs = report["runs"].as_array().cloned().unwrap_or_default();
-    let mut digest_counts: Vec<u64> = runs
+    // One line per digest count and kind of run (`mode`).
+    let mut kinds: Vec<(u64, String)> = runs
         .iter()
-        .filter_map(|r| r["digests_per_node"].as_u64())
+        .filter_map(|r| Some((r["digests_per_node"].as_u64()?, mode(r).to_string())))
         .collect();
-    digest_counts.sort_unstable();
-    digest_counts.dedup();
+    kinds.sort_unstable();
+    kinds.dedup();
     let runs: Vec<&Value> = runs.iter().collect();
     let root = BitMapBackend::new(path, (1500, 500)).into_drawing_area();
     root.fill(&WHITE).unwrap();
@@ -883,6 +985,9 @@ fn chart(report: &Value, path: &Path) {
         RGBColor(30, 120, 200),
         RGBColor(20, 170, 120),
         RGBColor(230, 140, 30),
+        RGBColor(140, 60, 170),
+        RGBColor(120, 120, 120),
+        RGBColor(200, 60, 120),
     ];
     let specs: [Panel; 3] = [
         (
@@ -924,14 +1029,16 @@ fn chart(report: &Value, path: &Path) {
             .build_cartesian_2d(0f64..max_n, 0f64..max)
             .unwrap();
         chart.configure_mesh().x_desc("nodes").draw().unwrap();
-        let lines = digest_counts
-            .iter()
-            .flat_map(|d| series.iter().map(move |(name, key)| (*d, *name, *key)));
-        for (s, (digests, name, key)) in lines.enumerate() {
+        let lines = kinds.iter().flat_map(|(d, m)| {
+            series
+                .iter()
+                .map(move |(name, key)| (*d, m.as_str(), *name, *key))
+        });
+        for (s, (digests, kind, name, key)) in lines.enumerate() {
             let color = colors[s % colors.len()];
             let points: Vec<(f64, f64)> = runs
                 .iter()
-                .filter(|r| r["digests_per_node"].as_u64() == Some(digests))
+                .filter(|r| r["digests_per_node"].as_u64() == Some(digests) && mode(r) == kind)
                 .filter_map(|r| {
                     Some((
                         r["nodes"].as_f64()?,
@@ -942,7 +1049,11 @@ fn chart(report: &Value, path: &Path) {
             chart
                 .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
                 .unwrap()
-                .label(format!("{name}, {digests} digests/node"))
+                .label(if kind == "first round" {
+                    format!("{name}, {digests} digests/node, staggered start")
+                } else {
+                    format!("{name}, {digests} digests/node")
+                })
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 15, y)], color.stroke_width(2))
                 });

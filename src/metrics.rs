@@ -159,6 +159,7 @@ pub struct Metrics {
     pub sync_images_walked: Family<ReasonLabels, Counter>,
     pub announcements_pending: Gauge,
     pub announcements_rested: Counter,
+    pub announce_rounds_early: Counter,
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
@@ -210,6 +211,7 @@ impl Metrics {
         let sync_images_walked = Family::<ReasonLabels, Counter>::default();
         let announcements_pending = Gauge::default();
         let announcements_rested = Counter::default();
+        let announce_rounds_early = Counter::default();
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
@@ -285,6 +287,11 @@ impl Metrics {
             "announcements_rested",
             "Key announcements skipped in a round because the key's storing nodes already held 20 other providers for it",
             announcements_rested.clone(),
+        );
+        registry.register(
+            "announce_rounds_early",
+            "Announcement rounds started before their time because the network had grown fourfold since the last one (records placed then would be missed by lookups)",
+            announce_rounds_early.clone(),
         );
         registry.register(
             "store_lookups",
@@ -398,6 +405,7 @@ impl Metrics {
             sync_images_walked,
             announcements_pending,
             announcements_rested,
+            announce_rounds_early,
             lookups,
             containerd_up,
             hosts_config_written,

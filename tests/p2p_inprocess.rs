@@ -532,6 +532,69 @@ async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
     }
 }
 
+/// A cluster rolled out one node after another: the first node's round put its keys on the
+/// only other node there was. When the network has grown fourfold it announces them again at
+/// once (not at its next round, 10 minutes on), so lookups that ask today's closest nodes find
+/// every key. Keys are stored on 2 nodes here (Ferry: 20), so 16 nodes are the 8x growth that
+/// would otherwise leave most keys on nodes no lookup asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_network_grows_fourfold_the_first_nodes_keys_move_to_the_new_closest_nodes() {
+    let _one_at_a_time = MANY_NODES.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let timing = ProvideTiming {
+        ttl: Duration::from_secs(3_600),
+        interval: Duration::from_secs(1_200),
+        replicas: 2,
+    };
+    let mut nodes = cluster_with(tmp.path(), 2, timing).await;
+    let keys: Vec<String> = (0..40)
+        .map(|i| format!("sha256:{:064x}", 0xf00 + i))
+        .collect();
+    nodes[0].router.advertise(keys.clone()).await.unwrap();
+    eventually("the first round is over", || {
+        let done = nodes[0].metrics.announcements_pending.get() == 0;
+        async move { done }
+    })
+    .await;
+    let seed = nodes[0].p2p;
+    for i in 2..16 {
+        let (p2p, http) = (
+            SocketAddr::new(LOOPBACK, free_port()),
+            SocketAddr::new(LOOPBACK, free_port()),
+        );
+        let dir = tmp.path().join(format!("n{i}"));
+        nodes.push(start_with(&dir, p2p, http, &[seed], None, timing));
+    }
+    // The round ended in a network of 2; checked every 10 s while no round runs.
+    let started = Instant::now();
+    while nodes[0].metrics.announce_rounds_early.get() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no early round after the network grew from 2 to 16 nodes"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eventually("the early round is over", || {
+        let done = nodes[0].metrics.announcements_pending.get() == 0;
+        async move { done }
+    })
+    .await;
+    // From three of the new nodes, every key: the regular round is 15-20 minutes away.
+    for asker in [&nodes[15], &nodes[9], &nodes[4]] {
+        for key in &keys {
+            let found = providers(&asker.router, key).await;
+            assert!(
+                found.iter().any(|p| p.addr == nodes[0].http),
+                "{key} not found from a new node after the network grew"
+            );
+        }
+    }
+    assert_eq!(nodes[0].metrics.announce_rounds_early.get(), 1);
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lookup_nobody_can_answer_ends_within_the_query_timeout() {
     let tmp = tempfile::tempdir().unwrap();

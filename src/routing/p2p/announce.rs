@@ -59,7 +59,7 @@ pub(crate) fn peer_hash(peer: &PeerId) -> Hash {
     to_hash(KBucketKey::from(*peer).hashed_bytes())
 }
 
-fn to_hash(bytes: &[u8]) -> Hash {
+pub(crate) fn to_hash(bytes: &[u8]) -> Hash {
     let mut h = [0u8; 32];
     h.copy_from_slice(&bytes[..32]);
     h

@@ -15,8 +15,10 @@ use libp2p::{Multiaddr, PeerId, Swarm};
 
 use super::announce::{
     Hash, MAX_ADDRESSES, MAX_KEY_LEN, MAX_KEYS_PER_BATCH, Pending, ProvideAck, ProvideBatch,
+    peer_hash, to_hash,
 };
 use super::behaviour::{Behaviour, ProvideTiming};
+use super::growth::{Growth, network_size};
 use super::rest::Resting;
 use crate::metrics::{DhtLabels, Metrics};
 
@@ -60,6 +62,8 @@ pub(crate) struct Announcer {
     draws: u64,
     /// No walk starts before this (see [`EMPTY_WALK_BACKOFF`]).
     walk_after: Option<Instant>,
+    /// The network's size at the last round, for an early one when it has grown a lot.
+    growth: Growth,
 }
 
 impl Announcer {
@@ -79,6 +83,7 @@ impl Announcer {
             random,
             draws: 1,
             walk_after: None,
+            growth: Growth::default(),
         }
     }
 
@@ -120,9 +125,11 @@ impl Announcer {
         self.update_gauge();
     }
 
-    /// Starts a round when one is due, then whatever can start.
+    /// Starts a round when one is due (or the network has grown enough that the last
+    /// round's records are on the wrong nodes: `growth.rs`), then whatever can start.
     pub fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
-        if now >= self.next_round {
+        if now >= self.next_round || self.grown(swarm, now) {
+            self.growth.round_started();
             let mut rested = 0;
             for key in &self.provided {
                 if self.resting.announce(key) {
@@ -139,6 +146,33 @@ impl Announcer {
         self.progress(swarm);
     }
 
+    /// With no round running (checked every 10 s): whether the network is several times the
+    /// size it was at the end of the last round.
+    fn grown(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) -> bool {
+        if self.provided.is_empty() || !self.idle() || !self.growth.due(now) {
+            return false;
+        }
+        let size = estimate_size(swarm);
+        let before = self.growth.baseline();
+        let grown = self.growth.grown(size);
+        if grown {
+            tracing::info!(
+                before = before.unwrap_or_default().round(),
+                now = size.round(),
+                "the network grew since the last round: announcing again now"
+            );
+            self.metrics.announce_rounds_early.inc();
+        }
+        grown
+    }
+
+    fn idle(&self) -> bool {
+        self.pending.is_empty()
+            && self.walks.is_empty()
+            && self.outbox.is_empty()
+            && self.batches.is_empty()
+    }
+
     /// Starts walks for pending keys and sends planned batches, up to the bounds.
     pub fn progress(&mut self, swarm: &mut Swarm<Behaviour>) {
         let backing_off = self.walk_after.is_some_and(|t| Instant::now() < t);
@@ -146,6 +180,10 @@ impl Announcer {
             while self.walks.len() < MAX_WALKS_IN_FLIGHT && !self.start_walk(swarm) {}
         }
         self.send_batches(swarm);
+        // The round's last answer: the network it placed the records in.
+        if self.growth.baseline().is_none() && !self.provided.is_empty() && self.idle() {
+            self.growth.round_ended(estimate_size(swarm));
+        }
         self.update_gauge();
     }
 
@@ -349,6 +387,22 @@ impl Announcer {
         let n = self.pending.len() + planned + sending;
         self.metrics.announcements_pending.set(n as i64);
     }
+}
+
+/// The network's size as this node's routing table shows it (`growth.rs`).
+fn estimate_size(swarm: &mut Swarm<Behaviour>) -> f64 {
+    let local = peer_hash(swarm.local_peer_id());
+    let peers: Vec<Hash> = swarm
+        .behaviour_mut()
+        .kad
+        .kbuckets()
+        .flat_map(|b| {
+            b.iter()
+                .map(|e| to_hash(e.node.key.hashed_bytes()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    network_size(&local, peers.into_iter())
 }
 
 /// How long until the next round: 75-100% of the interval, drawn per round.

@@ -10,6 +10,7 @@ mod closest;
 mod delay;
 mod dials;
 mod event_loop;
+mod growth;
 pub mod identity;
 mod rest;
 mod store;
