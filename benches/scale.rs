@@ -20,8 +20,8 @@
 //!
 //! `cargo bench --bench scale -- [--nodes 100,300,1000] [--digests 10000] [--shared 0.8]
 //! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120]
-//! [--start-spread-s 0] [--window-s 240] [--out DIR] [--replot]`. `--start-spread-s` starts the
-//! nodes one after another over that time instead of all at once; a `--window-s` shorter than
+//! [--start-every-ms 0] [--window-s 240] [--out DIR] [--replot]`. `--start-every-ms` starts the
+//! nodes one after another, one every that many milliseconds, instead of all at once; a `--window-s` shorter than
 //! the interval holds no full round, and the announce traffic is then the first round's. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
 
 #![allow(clippy::unwrap_used)] // a benchmark harness: failures are loud on purpose
@@ -63,7 +63,7 @@ const CONNECTION_SAMPLE: Duration = Duration::from_secs(10);
 /// The simulation stops when its processes hold more than this (the machine has 24 GiB).
 const MEMORY_LIMIT_MIB: f64 = 20.0 * 1024.0;
 /// The simulation stops when the nodes' first announcements take longer than this.
-const START_LIMIT: Duration = Duration::from_secs(900);
+const START_LIMIT: Duration = Duration::from_secs(1_800);
 
 #[derive(Debug, Clone)]
 struct Options {
@@ -74,8 +74,8 @@ struct Options {
     interval_s: u64,
     per_worker: usize,
     churn_s: u64,
-    /// Nodes start one after another over this many seconds (0: all at once).
-    start_spread_s: u64,
+    /// Nodes start one after another, one every this many milliseconds (0: all at once).
+    start_every_ms: u64,
     /// The steady-state window; two intervals unless given.
     window_s: Option<u64>,
     out: PathBuf,
@@ -91,7 +91,7 @@ fn options(args: &[String]) -> Options {
         interval_s: 120,
         per_worker: 50,
         churn_s: 120,
-        start_spread_s: 0,
+        start_every_ms: 0,
         window_s: None,
         out: PathBuf::from("benches/results"),
         replot: false,
@@ -107,7 +107,7 @@ fn options(args: &[String]) -> Options {
             "--interval-s" => o.interval_s = v().parse().unwrap(),
             "--per-worker" => o.per_worker = v().parse().unwrap(),
             "--churn-s" => o.churn_s = v().parse().unwrap(),
-            "--start-spread-s" => o.start_spread_s = v().parse().unwrap(),
+            "--start-every-ms" => o.start_every_ms = v().parse().unwrap(),
             "--window-s" => o.window_s = Some(v().parse().unwrap()),
             "--out" => o.out = PathBuf::from(v()),
             "--replot" => o.replot = true,
@@ -339,14 +339,16 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         .collect();
 
     // Start: every node at once (as a new cluster's DaemonSet does), or one after another over
-    // `--start-spread-s` (a rolling update; also how a long-running cluster's rounds are
-    // spread), each advertising all its keys; done when no node has an announcement waiting.
+    // `--start-every-ms` (a rolling update, or a cluster growing; also how a long-running
+    // cluster's rounds are spread), each advertising all its keys; done when no node has an
+    // announcement waiting.
     let started = Instant::now();
     let bytes_at_start = ns.lo_bytes();
-    let spread = opts.start_spread_s;
+    let every = opts.start_every_ms;
+    let spread = Duration::from_millis(every * n as u64);
     all(
         &mut workers,
-        |_| json!({ "cmd": "start", "spread_s": spread }),
+        |_| json!({ "cmd": "start", "every_ms": every }),
     );
     let start_s = started.elapsed().as_secs_f64();
     let mut idle_checks = 0;
@@ -368,7 +370,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
             return json!({ "nodes": n, "digests_per_node": opts.digests, "did_not_fit_mib": rss.round() });
         }
         // The machine's 2 cores cannot carry every node's work: say so instead of waiting.
-        if started.elapsed() > START_LIMIT + Duration::from_secs(spread) {
+        if started.elapsed() > START_LIMIT + spread {
             eprintln!(
                 "    not settled after {} s: the simulation outgrew this machine's CPU",
                 START_LIMIT.as_secs()
@@ -449,12 +451,17 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     // Since start: every node of the first start; restarted nodes add theirs below.
     let dials = sum(&after, "bootstrap_dials") / n as f64;
 
-    // Lookups, one at a time per worker: present keys (another node's own), absent keys.
+    // Lookups, one at a time per asking worker: present keys (another node's own), absent
+    // keys. One asker per 50 nodes whatever `--per-worker` is, so that the lookups' own load
+    // on the 2 cores (each walk meets nodes it is no longer connected to: a handshake each)
+    // does not grow with the number of processes (20 askers of 15 nodes saturated the machine
+    // at 300 nodes and their lookups timed out).
+    let askers = n.div_ceil(50).min(workers_n);
+    let asks = |w: usize| askers == workers_n || (0..askers).any(|k| k * workers_n / askers == w);
     let (found_total, absent_total) = (400usize, 100usize);
-    let looked = all(&mut workers, |_| {
-        json!({ "cmd": "lookups",
-                "found": found_total.div_ceil(workers_n),
-                "absent": absent_total.div_ceil(workers_n) })
+    let looked = all(&mut workers, |w| {
+        let share = |total: usize| if asks(w) { total.div_ceil(askers) } else { 0 };
+        json!({ "cmd": "lookups", "found": share(found_total), "absent": share(absent_total) })
     });
     let found_ms = concat(&looked, "found_ms");
     let absent_ms = concat(&looked, "absent_ms");
@@ -472,10 +479,13 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         .collect();
 
     // Churn: 5% of the nodes restart per minute, lookups go on.
-    let churned = all(
-        &mut workers,
-        |_| json!({ "cmd": "churn", "seconds": opts.churn_s, "per_minute": 0.05 }),
-    );
+    // Restarts shared out among the workers (a worker of 15 nodes alone would be due less
+    // than one in a minute).
+    let total = (n as f64 * 0.05 * opts.churn_s as f64 / 60.0).round() as usize;
+    let churned = all(&mut workers, |w| {
+        let restarts = total * (w + 1) / workers_n - total * w / workers_n;
+        json!({ "cmd": "churn", "seconds": opts.churn_s, "restarts": restarts, "ask": asks(w) })
+    });
     let churn_found = concat(&churned, "found_ms");
     let churn_missed = sum(&churned, "missed");
     let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
@@ -503,7 +513,8 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "first_round_cpu_s_per_node": round3(first_round_cpu),
         "cpu_s_per_node_per_round": round3(cpu_per_round),
         "first_round_bytes_per_node": first_round_bytes.round(),
-        "start_spread_s": spread,
+        "start_every_ms": every,
+        "early_rounds_per_node": round3(sum(&after, "early_rounds") / n as f64),
         "steady_window_s": secs,
         "sim_interval_s": opts.interval_s,
         "rss_mib_per_node": round3(rss_mib),
@@ -515,6 +526,8 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "findable_after_start_s": round3(percentile(&findable, 1.0)),
         "findable_after_start_s_each": findable.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
         "churn_per_minute": 0.05,
+        "churn_restarts": total,
+        "lookup_askers": askers,
         "churn_s": opts.churn_s,
         "churn_lookup_ms_p50": round3(percentile(&churn_found, 0.5)),
         "churn_lookup_ms_p99": round3(percentile(&churn_found, 0.99)),
@@ -626,7 +639,7 @@ fn rand_below(n: usize) -> usize {
 
 type Nodes = Arc<Mutex<HashMap<usize, SimNode>>>;
 
-/// This worker's nodes not started yet (`--start-spread-s`).
+/// This worker's nodes not started yet (`--start-every-ms`).
 static UNSTARTED: AtomicUsize = AtomicUsize::new(0);
 
 async fn serve(lo: usize, hi: usize, shape: Shape) {
@@ -637,16 +650,15 @@ async fn serve(lo: usize, hi: usize, shape: Shape) {
         let command: Value = serde_json::from_str(&line).unwrap();
         let answer = match command["cmd"].as_str().unwrap_or("") {
             "start" => {
-                // Node `i` starts `i / n` of the spread in: in order across the workers, so
+                // Node `i` starts `i` intervals in: in order across the workers, so
                 // every node's bootstrap list (the nodes before it) is already listening.
-                let spread = Duration::from_secs(command["spread_s"].as_u64().unwrap_or(0));
+                let every = Duration::from_millis(command["every_ms"].as_u64().unwrap_or(0));
                 let (nodes, shape) = (nodes.clone(), shape.clone());
                 UNSTARTED.store(hi - lo, Ordering::SeqCst);
                 let begun = tokio::time::Instant::now();
                 tokio::spawn(async move {
                     for i in lo..hi {
-                        tokio::time::sleep_until(begun + spread.mul_f64(i as f64 / shape.n as f64))
-                            .await;
+                        tokio::time::sleep_until(begun + every * i as u32).await;
                         let node = start_node(i, i, &format!("n{i}"), &shape);
                         nodes.lock().unwrap().insert(i, node);
                         UNSTARTED.fetch_sub(1, Ordering::SeqCst);
@@ -664,8 +676,9 @@ async fn serve(lo: usize, hi: usize, shape: Shape) {
             "restart" => restart_and_find(&nodes, &shape, lo..hi).await,
             "churn" => {
                 let secs = command["seconds"].as_u64().unwrap_or(60);
-                let rate = command["per_minute"].as_f64().unwrap_or(0.05);
-                churn(&nodes, &shape, lo..hi, secs, rate).await
+                let restarts = command["restarts"].as_u64().unwrap_or(0) as usize;
+                let ask = command["ask"].as_bool().unwrap_or(true);
+                churn(&nodes, &shape, lo..hi, (secs, restarts), ask).await
             }
             "quit" => {
                 let all: Vec<SimNode> = nodes.lock().unwrap().drain().map(|(_, n)| n).collect();
@@ -690,11 +703,13 @@ fn stats(nodes: &Nodes) -> Value {
     let mut connections_max = 0usize;
     let mut alone = 0usize;
     let mut rested = 0u64;
+    let mut early = 0u64;
     let mut dials = 0u64;
     for n in nodes.values() {
         pending += n.metrics.announcements_pending.get();
         dials += n.metrics.bootstrap_dials.get();
         rested += n.metrics.announcements_rested.get();
+        early += n.metrics.announce_rounds_early.get();
         for kind in DHT_REQUEST_KINDS {
             requests += n
                 .metrics
@@ -714,6 +729,7 @@ fn stats(nodes: &Nodes) -> Value {
         "connections_max": connections_max,
         "alone": alone,
         "rested": rested,
+        "early_rounds": early,
         "bootstrap_dials": dials,
         "unstarted": UNSTARTED.load(Ordering::SeqCst),
         "rss_kib": rss_kib(),
@@ -845,16 +861,16 @@ async fn restart_and_find(nodes: &Nodes, shape: &Shape, range: std::ops::Range<u
     json!({ "findable_s": if waiting.is_empty() { started.elapsed().as_secs_f64() } else { f64::NAN } })
 }
 
-/// `rate` of this worker's nodes restart per minute for `secs`, while lookups of other nodes'
-/// keys go on (about five a second).
+/// `restarts` of this worker's nodes restart, evenly over `secs`, while lookups of other
+/// nodes' keys go on (about five a second) when this worker `ask`s.
 async fn churn(
     nodes: &Nodes,
     shape: &Shape,
     range: std::ops::Range<usize>,
-    secs: u64,
-    rate: f64,
+    (secs, restarts): (u64, usize),
+    ask: bool,
 ) -> Value {
-    let restarts_per_s = range.len() as f64 * rate / 60.0;
+    let restarts_per_s = restarts as f64 / secs.max(1) as f64;
     let churner = {
         let (nodes, shape, range) = (nodes.clone(), shape.clone(), range.clone());
         tokio::spawn(async move {
@@ -862,7 +878,8 @@ async fn churn(
             let mut done = 0.0;
             while started.elapsed() < Duration::from_secs(secs) {
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                let due = started.elapsed().as_secs_f64() * restarts_per_s;
+                // Each restart in the middle of its share of the time.
+                let due = started.elapsed().as_secs_f64() * restarts_per_s + 0.5;
                 while done + 1.0 <= due {
                     done += 1.0;
                     let i = range.start + rand_below(range.len());
@@ -882,6 +899,9 @@ async fn churn(
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(secs) {
         tokio::time::sleep(Duration::from_millis(200)).await;
+        if !ask {
+            continue;
+        }
         match lookup_elsewhere(nodes, shape).await {
             Some(Some(ms)) => found_ms.push(ms),
             Some(None) => missed += 1,
@@ -988,6 +1008,9 @@ fn chart(report: &Value, path: &Path) {
         RGBColor(140, 60, 170),
         RGBColor(120, 120, 120),
         RGBColor(200, 60, 120),
+        RGBColor(20, 40, 110),
+        RGBColor(150, 200, 60),
+        RGBColor(110, 70, 30),
     ];
     let specs: [Panel; 3] = [
         (

@@ -343,7 +343,16 @@ async fn nodes_named_every_node_dial_a_few_yet_find_every_key_and_agree_on_coord
             if k % 2 == 0 {
                 assert!(providers(&n.router, &key).await.is_empty());
             }
-            let got = n.router.coordinator(&key).await.map(|p| p.addr);
+            // `None` is the 0.5 s bound running out (a pull then goes on without one): on 2
+            // shared cores with other tests running, a walk can take longer (seen once in
+            // four full runs), so it is asked again; a different coordinator fails at once.
+            let mut got = None;
+            for _ in 0..5 {
+                got = n.router.coordinator(&key).await.map(|p| p.addr);
+                if got.is_some() {
+                    break;
+                }
+            }
             assert_eq!(got, Some(want), "key {k}");
         }
     }

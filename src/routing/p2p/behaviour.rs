@@ -70,7 +70,12 @@ impl Behaviour {
             .set_provider_publication_interval(None)
             // Ferry stores no values in the DHT, only provider records.
             .set_record_ttl(None)
-            .set_publication_interval(None);
+            .set_publication_interval(None)
+            // Ferry refreshes the routing table itself every 5 minutes, and only with peers
+            // connected (`event_loop.rs`); libp2p's own periodic bootstrap ran a second one at
+            // the same time: on a node, walks to its own ID and one per bucket, a handshake
+            // for each node met that is no longer connected.
+            .set_periodic_bootstrap_interval(None);
         if let Some(n) = NonZeroUsize::new(timing.replicas) {
             config.set_replication_factor(n);
         }
