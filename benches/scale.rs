@@ -466,6 +466,9 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let found_ms = concat(&looked, "found_ms");
     let absent_ms = concat(&looked, "absent_ms");
     let missed = sum(&looked, "missed");
+    let mut missed_owners = concat(&looked, "missed_owners");
+    missed_owners.sort_by(f64::total_cmp);
+    let missed_found_again = sum(&looked, "missed_found_again");
 
     // A restarted node: until every sampled key of its own is found from other nodes.
     let restarts = workers_n.min(5);
@@ -491,7 +494,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
     let _ = std::fs::remove_dir_all(&logs);
 
-    json!({
+    let mut out = json!({
         "nodes": n,
         "digests_per_node": opts.digests,
         "shared_fraction": opts.shared,
@@ -533,7 +536,11 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "churn_lookup_ms_p99": round3(percentile(&churn_found, 0.99)),
         "churn_lookups_not_found": churn_missed,
         "churn_lookups": churn_found.len() as f64 + churn_missed,
-    })
+    });
+    // Beside the macro: one more field there passes its recursion limit.
+    out["missed_owners"] = json!(missed_owners);
+    out["missed_found_again"] = json!(missed_found_again);
+    out
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -795,22 +802,42 @@ fn own_key(owner: usize, shape: &Shape) -> String {
 /// From a random node, a key only another node has: milliseconds to its first provider
 /// (`Some(None)` when none was found), or `None` when this worker has no node.
 async fn lookup_elsewhere(nodes: &Nodes, shape: &Shape) -> Option<Option<f64>> {
+    Some(lookup_owned(nodes, shape).await?.2)
+}
+
+/// As [`lookup_elsewhere`], with the owner (its start order) and the key.
+async fn lookup_owned(nodes: &Nodes, shape: &Shape) -> Option<(usize, String, Option<f64>)> {
     let (asker, router) = some_router(nodes, None)?;
     let mut owner = rand_below(shape.n);
     if owner == asker {
         owner = (owner + 1) % shape.n;
     }
-    Some(lookup(&router, &own_key(owner, shape)).await.0)
+    let key = own_key(owner, shape);
+    let found = lookup(&router, &key).await.0;
+    Some((owner, key, found))
 }
 
 async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> Value {
     let (mut found_ms, mut absent_ms, mut missed) = (Vec::new(), Vec::new(), 0);
+    // Each missed key: its owner (start order: the early nodes are the ones a growing
+    // network strands) and whether a second lookup from another node 2 s later found it (a
+    // miss of that walk, not of where the records are).
+    let (mut missed_owners, mut found_again) = (Vec::new(), 0);
     for _ in 0..found {
         // One lookup at a time, 20 ms apart: the latency of a lookup, not of a queue of them.
         tokio::time::sleep(LOOKUP_GAP).await;
-        match lookup_elsewhere(nodes, shape).await {
-            Some(Some(ms)) => found_ms.push(ms),
-            Some(None) => missed += 1,
+        match lookup_owned(nodes, shape).await {
+            Some((_, _, Some(ms))) => found_ms.push(ms),
+            Some((owner, key, None)) => {
+                missed += 1;
+                missed_owners.push(owner);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                if let Some((_, router)) = some_router(nodes, None)
+                    && lookup(&router, &key).await.0.is_some()
+                {
+                    found_again += 1;
+                }
+            }
             None => break,
         }
     }
@@ -825,7 +852,8 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
         );
         absent_ms.push(lookup(&router, &key).await.1);
     }
-    json!({ "found_ms": found_ms, "absent_ms": absent_ms, "missed": missed })
+    json!({ "found_ms": found_ms, "absent_ms": absent_ms, "missed": missed,
+            "missed_owners": missed_owners, "missed_found_again": found_again })
 }
 
 async fn stop(node: SimNode) {
