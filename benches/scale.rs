@@ -427,25 +427,25 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let secs = window.as_secs_f64();
     let mean_round = 0.875 * opts.interval_s as f64;
     // Per node per round, then at the default interval's mean round.
-    let (per_round, bytes_per_round) = if from_first_round {
-        (first_round_msgs, first_round_bytes)
+    // Per node and round: over the window's rounds, or the first round's (nothing rests then).
+    let window_per_round =
+        |field: &str| (sum(&after, field) - sum(&before, field)) / n as f64 / (secs / mean_round);
+    let (per_round, bytes_per_round, cpu_per_round, rested_per_round) = if from_first_round {
+        (
+            first_round_msgs,
+            first_round_bytes,
+            first_round_cpu,
+            f64::NAN,
+        )
     } else {
         (
             received / n as f64 / (secs / mean_round),
             (bytes_after - bytes_before) as f64 / n as f64 / (secs / mean_round),
+            window_per_round("cpu_s"),
+            window_per_round("rested"),
         )
     };
     let msgs_default = per_round / (0.875 * DEFAULT_INTERVAL_S);
-    let cpu_per_round = if from_first_round {
-        first_round_cpu
-    } else {
-        (sum(&after, "cpu_s") - sum(&before, "cpu_s")) / n as f64 / (secs / mean_round)
-    };
-    let rested_per_round = if from_first_round {
-        f64::NAN
-    } else {
-        (sum(&after, "rested") - sum(&before, "rested")) / n as f64 / (secs / mean_round)
-    };
     let rss_mib = sum(&after, "rss_kib") / 1024.0 / n as f64;
     let connections = connections_sum / samples as f64;
     // Since start: every node of the first start; restarted nodes add theirs below.

@@ -392,17 +392,13 @@ impl Announcer {
 /// The network's size as this node's routing table shows it (`growth.rs`).
 fn estimate_size(swarm: &mut Swarm<Behaviour>) -> f64 {
     let local = peer_hash(swarm.local_peer_id());
-    let peers: Vec<Hash> = swarm
-        .behaviour_mut()
-        .kad
-        .kbuckets()
-        .flat_map(|b| {
-            b.iter()
-                .map(|e| to_hash(e.node.key.hashed_bytes()))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    network_size(&local, peers.into_iter())
+    // (Each bucket's view borrows the bucket, so its hashes are copied out per bucket.)
+    let peers = swarm.behaviour_mut().kad.kbuckets().flat_map(|b| {
+        b.iter()
+            .map(|e| to_hash(e.node.key.hashed_bytes()))
+            .collect::<Vec<Hash>>()
+    });
+    network_size(&local, peers)
 }
 
 /// How long until the next round: 75-100% of the interval, drawn per round.

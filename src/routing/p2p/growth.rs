@@ -21,7 +21,7 @@ use super::announce::Hash;
 
 /// A round starts early when the estimated network is this many times the size it was when
 /// the last round ended: records placed then are missed by under 0.5% of lookups up to here.
-pub(crate) const GROWTH_FACTOR: f64 = 4.0;
+const GROWTH_FACTOR: f64 = 4.0;
 /// How often the size is estimated while no round runs.
 const CHECK_EVERY: Duration = Duration::from_secs(10);
 /// The nearest known peers the estimate uses (Kademlia's k).
