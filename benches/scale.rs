@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
+use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics, OutcomeLabels};
 use ferry::problems::Problems;
 use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
@@ -540,6 +540,28 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     // Beside the macro: one more field there passes its recursion limit.
     out["missed_owners"] = json!(missed_owners);
     out["missed_found_again"] = json!(missed_found_again);
+    // Walks that timed out place their keys on the nodes they reached: which nodes had any,
+    // and whether the missed keys' owners are among them.
+    let timed_out: HashMap<u64, u64> = after
+        .iter()
+        .flat_map(|a| {
+            a["timed_out_by_node"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|p| Some((p[0].as_u64()?, p[1].as_u64()?)))
+        .collect();
+    out["walks_timed_out_per_node"] = json!(round3(sum(&after, "walks_timed_out") / n as f64));
+    out["walks_converged_per_node"] = json!(round3(sum(&after, "walks_converged") / n as f64));
+    out["batches_failed_per_node"] = json!(round3(sum(&after, "batches_failed") / n as f64));
+    out["nodes_with_timed_out_walks"] = json!(timed_out.len());
+    out["missed_owners_walks_timed_out"] = json!(
+        missed_owners
+            .iter()
+            .map(|o| timed_out.get(&(*o as u64)).copied().unwrap_or(0))
+            .collect::<Vec<_>>()
+    );
     out
 }
 
@@ -712,6 +734,25 @@ fn stats(nodes: &Nodes) -> Value {
     let mut rested = 0u64;
     let mut early = 0u64;
     let mut dials = 0u64;
+    // Announcement walks and batches by outcome; each node's timed-out walks, by start order.
+    let mut outcomes: HashMap<&str, u64> = HashMap::new();
+    let mut timed_out: Vec<(usize, u64)> = Vec::new();
+    for (i, n) in nodes.iter() {
+        let walks = &n.metrics.announce_walks;
+        let batches = &n.metrics.announce_batches;
+        for (name, family, outcome) in [
+            ("walks_converged", walks, "converged"),
+            ("walks_timed_out", walks, "timed_out"),
+            ("batches_delivered", batches, "delivered"),
+            ("batches_failed", batches, "failed"),
+        ] {
+            let count = family.get_or_create(&OutcomeLabels { outcome }).get();
+            *outcomes.entry(name).or_default() += count;
+            if name == "walks_timed_out" && count > 0 {
+                timed_out.push((*i, count));
+            }
+        }
+    }
     for n in nodes.values() {
         pending += n.metrics.announcements_pending.get();
         dials += n.metrics.bootstrap_dials.get();
@@ -741,6 +782,11 @@ fn stats(nodes: &Nodes) -> Value {
         "unstarted": UNSTARTED.load(Ordering::SeqCst),
         "rss_kib": rss_kib(),
         "cpu_s": cpu_s(),
+        "walks_converged": outcomes.get("walks_converged").copied().unwrap_or(0),
+        "walks_timed_out": outcomes.get("walks_timed_out").copied().unwrap_or(0),
+        "batches_delivered": outcomes.get("batches_delivered").copied().unwrap_or(0),
+        "batches_failed": outcomes.get("batches_failed").copied().unwrap_or(0),
+        "timed_out_by_node": timed_out,
     })
 }
 

@@ -119,10 +119,20 @@ pub struct DirectionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// walks: converged, timed_out; batches: delivered, failed
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DhtLabels {
     /// find_node, get_providers, add_provider, provide_batch, other
     pub kind: &'static str,
 }
+
+/// Every outcome `ferry_announce_walks_total` and `ferry_announce_batches_total` count.
+pub const WALK_OUTCOMES: [&str; 2] = ["converged", "timed_out"];
+pub const BATCH_OUTCOMES: [&str; 2] = ["delivered", "failed"];
 
 /// Every kind of DHT request `ferry_dht_requests_received_total` counts.
 pub const DHT_REQUEST_KINDS: [&str; 5] = [
@@ -160,6 +170,8 @@ pub struct Metrics {
     pub announcements_pending: Gauge,
     pub announcements_rested: Counter,
     pub announce_rounds_early: Counter,
+    pub announce_walks: Family<OutcomeLabels, Counter>,
+    pub announce_batches: Family<OutcomeLabels, Counter>,
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
@@ -212,6 +224,8 @@ impl Metrics {
         let announcements_pending = Gauge::default();
         let announcements_rested = Counter::default();
         let announce_rounds_early = Counter::default();
+        let announce_walks = Family::<OutcomeLabels, Counter>::default();
+        let announce_batches = Family::<OutcomeLabels, Counter>::default();
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
@@ -294,6 +308,16 @@ impl Metrics {
             announce_rounds_early.clone(),
         );
         registry.register(
+            "announce_walks",
+            "Closest-node walks of announcement rounds by outcome: converged, or timed_out (not converged within 10 s: its keys go to the nodes it reached, which may not be their closest, and lookups can miss them until the next round)",
+            announce_walks.clone(),
+        );
+        registry.register(
+            "announce_batches",
+            "Batches of provider records sent to the nodes that store them, by outcome: delivered, or failed (not answered: the key's other nodes hold its records)",
+            announce_batches.clone(),
+        );
+        registry.register(
             "store_lookups",
             "Content store lookups by kind and result (hit, miss, unavailable)",
             lookups.clone(),
@@ -370,6 +394,12 @@ impl Metrics {
         for kind in DHT_REQUEST_KINDS {
             let _ = dht_requests.get_or_create(&DhtLabels { kind });
         }
+        for outcome in WALK_OUTCOMES {
+            let _ = announce_walks.get_or_create(&OutcomeLabels { outcome });
+        }
+        for outcome in BATCH_OUTCOMES {
+            let _ = announce_batches.get_or_create(&OutcomeLabels { outcome });
+        }
         registry.register(
             "follow_wait_seconds",
             "Time a follower waited for its leader's first byte",
@@ -406,6 +436,8 @@ impl Metrics {
             announcements_pending,
             announcements_rested,
             announce_rounds_early,
+            announce_walks,
+            announce_batches,
             lookups,
             containerd_up,
             hosts_config_written,

@@ -1,7 +1,8 @@
 //! Real libp2p on loopback, several nodes in one process: the DHT finds providers, forgets
 //! withdrawn ones when their records expire, keeps re-provided ones, announces many keys a
 //! few at a time (all found), rests a key whose storing nodes are full, survives a restart
-//! with the same identity, and answers a lookup for a key nobody has within a bound.
+//! with the same identity, answers a lookup for a key nobody has within a bound, and keeps
+//! announcing where lookups look while one node is frozen (a process of its own, stopped).
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -9,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::metrics::{DhtLabels, Metrics};
+use ferry::metrics::{DhtLabels, Metrics, OutcomeLabels};
 use ferry::problems::Problems;
 use ferry::routing::bootstrap::{Bootstrap, StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
@@ -599,6 +600,131 @@ async fn when_the_network_grows_fourfold_the_first_nodes_keys_move_to_the_new_cl
         }
     }
     assert_eq!(nodes[0].metrics.announce_rounds_early.get(), 1);
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+/// Long records: no round but the first within a test.
+const ONE_ROUND: ProvideTiming = ProvideTiming {
+    ttl: Duration::from_secs(3_600),
+    interval: Duration::from_secs(1_200),
+    replicas: REPLICAS,
+};
+
+/// A node in a process of its own (this test binary, running [`node_in_a_process`]), to be
+/// frozen with SIGSTOP: a node powered off or hung, whose connections stay open and whose
+/// requests go unanswered. Killed when dropped.
+struct NodeProcess {
+    child: std::process::Child,
+}
+
+impl NodeProcess {
+    fn start(dir: &std::path::Path, seed: SocketAddr) -> NodeProcess {
+        use std::io::BufRead;
+        let p2p = SocketAddr::new(LOOPBACK, free_port());
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "node_in_a_process", "--nocapture"])
+            .env("FERRY_TEST_NODE", format!("{seed} {p2p} {}", dir.display()))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let started = out
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| l == "node started");
+        assert!(started, "the node process did not start");
+        NodeProcess { child }
+    }
+
+    fn freeze(&self) {
+        let status = std::process::Command::new("kill")
+            .args(["-STOP", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Not a test of its own: the node [`NodeProcess`] runs (`FERRY_TEST_NODE` names its seed,
+/// address and directory); without that variable it returns at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_in_a_process() {
+    let Ok(spec) = std::env::var("FERRY_TEST_NODE") else {
+        return;
+    };
+    let mut parts = spec.splitn(3, ' ');
+    let seed: SocketAddr = parts.next().unwrap().parse().unwrap();
+    let p2p: SocketAddr = parts.next().unwrap().parse().unwrap();
+    let dir = std::path::PathBuf::from(parts.next().unwrap());
+    let http = SocketAddr::new(LOOPBACK, free_port());
+    let _node = start_with(&dir, p2p, http, &[seed], None, ONE_ROUND);
+    println!("node started");
+    std::future::pending::<()>().await;
+}
+
+/// A node freezes (powered off or hung: its connections stay open, its requests go
+/// unanswered) while the others still list it. libp2p's walks wait 10 s for one node's answer,
+/// then go on without it, so a walk that meets the frozen node still converges on the others
+/// (not timed out: the query's own bound, `QUERY_TIMEOUT`, must not be shorter than that
+/// wait) and its keys land where lookups look.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_stops_answering_does_not_stop_announcement_walks_converging() {
+    let _one_at_a_time = MANY_NODES.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let nodes = cluster_with(tmp.path(), 5, ONE_ROUND).await;
+    let frozen = NodeProcess::start(&tmp.path().join("frozen"), nodes[0].p2p);
+    // Kademlia's first walks connect every node to every other, the frozen one included.
+    eventually("every node connected to every node", || {
+        let all = nodes.iter().all(|n| n.router.connected_peers() == 5);
+        async move { all }
+    })
+    .await;
+    frozen.freeze();
+
+    let keys: Vec<String> = (0..40)
+        .map(|i| format!("sha256:{:064x}", 0xdead00 + i))
+        .collect();
+    nodes[0].router.advertise(keys.clone()).await.unwrap();
+    let walks = |outcome| {
+        nodes[0]
+            .metrics
+            .announce_walks
+            .get_or_create(&OutcomeLabels { outcome })
+            .get()
+    };
+    let started = Instant::now();
+    while nodes[0].metrics.announcements_pending.get() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "the round never ended with a node frozen ({} walks timed out)",
+            walks("timed_out")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(walks("timed_out"), 0, "a walk timed out on the frozen node");
+    assert!(walks("converged") >= 1);
+    // Every key from every other live node (the first provider is enough: a lookup meets the
+    // frozen node too, and waits for it only after it has found one).
+    for asker in &nodes[1..] {
+        for key in &keys {
+            let mut stream = asker.router.lookup(key).await;
+            let first = tokio::time::timeout(Duration::from_secs(30), stream.recv()).await;
+            assert!(
+                matches!(first, Ok(Some(ref p)) if p.addr == nodes[0].http),
+                "{key} not found with a node frozen: {first:?}"
+            );
+        }
+    }
+    drop(frozen);
     for n in nodes {
         stop(n).await;
     }

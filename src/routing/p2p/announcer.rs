@@ -12,6 +12,8 @@ use libp2p::kad::store::RecordStore;
 use libp2p::kad::{PeerInfo, ProviderRecord, QueryId, RecordKey};
 use libp2p::request_response::{self, OutboundRequestId};
 use libp2p::{Multiaddr, PeerId, Swarm};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 
 use super::announce::{
     Hash, MAX_ADDRESSES, MAX_KEY_LEN, MAX_KEYS_PER_BATCH, Pending, ProvideAck, ProvideBatch,
@@ -20,7 +22,7 @@ use super::announce::{
 use super::behaviour::{Behaviour, ProvideTiming};
 use super::growth::{Growth, network_size};
 use super::rest::Resting;
-use crate::metrics::{DhtLabels, Metrics};
+use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 
 /// Walks in flight at once: enough to cover a round's regions quickly, few enough that a
 /// node's start-up round never floods its neighbours.
@@ -223,6 +225,8 @@ impl Announcer {
         let Some(target) = self.walks.remove(&id) else {
             return false;
         };
+        let outcome = if complete { "converged" } else { "timed_out" };
+        count(&self.metrics.announce_walks, outcome);
         if found.is_empty() {
             self.walk_after = Some(Instant::now() + EMPTY_WALK_BACKOFF);
         }
@@ -317,6 +321,7 @@ impl Announcer {
                     },
                 ..
             } => {
+                count(&self.metrics.announce_batches, "delivered");
                 if let Some(sent) = self.batches.remove(&request_id) {
                     // Positions out of range (a confused peer) name nothing.
                     for key in response.full.iter().filter_map(|&i| sent.get(i as usize)) {
@@ -333,6 +338,7 @@ impl Announcer {
             } => {
                 // The other replicas hold these keys; this node's next round tries again.
                 tracing::debug!(%peer, %error, "a batch of provider records was not delivered");
+                count(&self.metrics.announce_batches, "failed");
                 self.batches.remove(&request_id);
                 self.progress(swarm);
             }
@@ -387,6 +393,10 @@ impl Announcer {
         let n = self.pending.len() + planned + sending;
         self.metrics.announcements_pending.set(n as i64);
     }
+}
+
+fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) {
+    family.get_or_create(&OutcomeLabels { outcome }).inc();
 }
 
 /// The network's size as this node's routing table shows it (`growth.rs`).

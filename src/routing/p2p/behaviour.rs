@@ -27,7 +27,13 @@ const AGENT_PREFIX: &str = "ferry/";
 const PEER_ADDR_MARK: &str = " peer-addr=";
 
 /// A bound on every Kademlia query, so every lookup and announcement finishes. A cluster DHT
-/// answers in milliseconds; this only matters when peers vanish mid-query.
+/// answers in milliseconds; this only matters when a node stops answering mid-query (one
+/// powered off leaves its connections open: requests on them just wait). libp2p waits 10 s
+/// for one node's answer, then walks on without it; a walk that met such a node still
+/// converges, as its failure arrives with the bound (test
+/// `a_node_that_stops_answering_does_not_stop_announcement_walks_converging`). A longer bound
+/// (20 s) was tried: it did not make walks under the scale simulation's overload converge
+/// (5 of 18 per node timed out either way) and made its rounds longer.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Keys with provider records in this node's store, its own and other nodes': a node serves
 /// every digest of every image it holds, and 10,000 is common on a busy node.
