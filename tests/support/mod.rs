@@ -45,13 +45,14 @@ pub fn free_addr() -> SocketAddr {
     l.local_addr().expect("local addr")
 }
 
-pub fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
+pub fn wait_for(what: &str, ready: impl FnMut() -> bool) {
+    wait_for_within(what, START_TIMEOUT, ready);
+}
+
+pub fn wait_for_within(what: &str, bound: Duration, mut ready: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ready() {
-        assert!(
-            start.elapsed() < START_TIMEOUT,
-            "timed out waiting for {what}"
-        );
+        assert!(start.elapsed() < bound, "timed out waiting for {what}");
         std::thread::sleep(POLL);
     }
 }
