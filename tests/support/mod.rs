@@ -217,6 +217,11 @@ state = "{d}/state"
   deletion_threshold = 1
 [plugins."io.containerd.grpc.v1.cri".registry]
   config_path = "{hosts}"
+# A socket of its own: containerd 2.x starts NRI by default at /var/run/nri/nri.sock, one file
+# for every instance on the machine, and of two started at once one failed ("bind: address
+# already in use"). 1.7 leaves NRI off; 1.6 has no such plugin and ignores the section.
+[plugins."io.containerd.nri.v1.nri"]
+  socket_path = "{d}/nri.sock"
 "#,
             d = dir.display(),
             sock = socket.display(),
