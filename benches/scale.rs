@@ -46,6 +46,8 @@ use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
     DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS,
 };
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -735,25 +737,21 @@ fn stats(nodes: &Nodes) -> Value {
     let mut early = 0u64;
     let mut dials = 0u64;
     // Announcement walks and batches by outcome; each node's timed-out walks, by start order.
-    let mut outcomes: HashMap<&str, u64> = HashMap::new();
+    let (mut converged, mut walks_timed_out, mut delivered, mut failed) = (0u64, 0u64, 0u64, 0u64);
     let mut timed_out: Vec<(usize, u64)> = Vec::new();
+    let outcome = |family: &Family<OutcomeLabels, Counter>, outcome| {
+        family.get_or_create(&OutcomeLabels { outcome }).get()
+    };
     for (i, n) in nodes.iter() {
-        let walks = &n.metrics.announce_walks;
-        let batches = &n.metrics.announce_batches;
-        for (name, family, outcome) in [
-            ("walks_converged", walks, "converged"),
-            ("walks_timed_out", walks, "timed_out"),
-            ("batches_delivered", batches, "delivered"),
-            ("batches_failed", batches, "failed"),
-        ] {
-            let count = family.get_or_create(&OutcomeLabels { outcome }).get();
-            *outcomes.entry(name).or_default() += count;
-            if name == "walks_timed_out" && count > 0 {
-                timed_out.push((*i, count));
-            }
+        let m = &n.metrics;
+        let node_timed_out = outcome(&m.announce_walks, "timed_out");
+        if node_timed_out > 0 {
+            timed_out.push((*i, node_timed_out));
         }
-    }
-    for n in nodes.values() {
+        walks_timed_out += node_timed_out;
+        converged += outcome(&m.announce_walks, "converged");
+        delivered += outcome(&m.announce_batches, "delivered");
+        failed += outcome(&m.announce_batches, "failed");
         pending += n.metrics.announcements_pending.get();
         dials += n.metrics.bootstrap_dials.get();
         rested += n.metrics.announcements_rested.get();
@@ -782,10 +780,10 @@ fn stats(nodes: &Nodes) -> Value {
         "unstarted": UNSTARTED.load(Ordering::SeqCst),
         "rss_kib": rss_kib(),
         "cpu_s": cpu_s(),
-        "walks_converged": outcomes.get("walks_converged").copied().unwrap_or(0),
-        "walks_timed_out": outcomes.get("walks_timed_out").copied().unwrap_or(0),
-        "batches_delivered": outcomes.get("batches_delivered").copied().unwrap_or(0),
-        "batches_failed": outcomes.get("batches_failed").copied().unwrap_or(0),
+        "walks_converged": converged,
+        "walks_timed_out": walks_timed_out,
+        "batches_delivered": delivered,
+        "batches_failed": failed,
         "timed_out_by_node": timed_out,
     })
 }
