@@ -299,12 +299,15 @@ fn peers_are_bootstrapped_from_the_daemonsets_pods() {
     }
     for (_, _, metrics) in &nodes {
         let url = format!("http://{metrics}/metrics");
-        wait_for("connected to the other pod", || {
-            let r = http("GET", &url, &[]);
-            String::from_utf8_lossy(&r.body)
-                .lines()
-                .any(|l| l.starts_with("ferry_peers_connected ") && !l.ends_with(" 0"))
-        });
+        wait_for(
+            &format!("the node at {metrics} connected to the other pod"),
+            || {
+                let r = http("GET", &url, &[]);
+                String::from_utf8_lossy(&r.body)
+                    .lines()
+                    .any(|l| l.starts_with("ferry_peers_connected ") && !l.ends_with(" 0"))
+            },
+        );
     }
     let c = cluster.lock().unwrap();
     let list = c.requests.iter().find(|(m, uri, _)| {

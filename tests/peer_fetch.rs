@@ -218,12 +218,10 @@ fn memory_peering_verifying(
     }
 }
 
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
+#[path = "support/ports.rs"]
+mod ports;
+
+use ports::free_addr;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_miss_is_served_by_the_node_that_has_it_over_real_libp2p() {

@@ -9,8 +9,11 @@
 pub mod cluster;
 pub mod kube_api;
 pub mod netns;
+pub mod ports;
 
-use std::net::{SocketAddr, TcpListener};
+pub use ports::free_addr;
+
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -38,11 +41,6 @@ pub fn require(program: &str) {
         found,
         "`{program}` is required for this test: {INSTALL_HINT}"
     );
-}
-
-pub fn free_addr() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr")
 }
 
 pub fn wait_for(what: &str, ready: impl FnMut() -> bool) {
@@ -138,9 +136,30 @@ impl Proc {
     }
 }
 
+/// Lines from each end of a process's log shown when its test fails.
+const LOG_ENDS_ON_FAILURE: usize = 30;
+
 impl Drop for Proc {
     fn drop(&mut self) {
         self.stop();
+        // A failing test's processes say why in its output (CI keeps no temporary files):
+        // the start (how it came up, its first dials) and the end.
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let lines: Vec<&str> = log.lines().collect();
+            let n = LOG_ENDS_ON_FAILURE;
+            let shown = if lines.len() <= 2 * n {
+                lines.join("\n")
+            } else {
+                format!(
+                    "{}\n[... {} lines ...]\n{}",
+                    lines[..n].join("\n"),
+                    lines.len() - 2 * n,
+                    lines[lines.len() - n..].join("\n")
+                )
+            };
+            eprintln!("--- {}:\n{shown}", self.log.display());
+        }
     }
 }
 
