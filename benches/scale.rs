@@ -44,7 +44,7 @@ use ferry::problems::Problems;
 use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
-    DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS,
+    DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -598,11 +598,7 @@ fn worker(args: &[String]) {
         n: num(2),
         digests: num(3),
         shared: args[4].parse().unwrap(),
-        timing: ProvideTiming {
-            ttl: interval * 3,
-            interval,
-            replicas: REPLICAS,
-        },
+        timing: ProvideTiming::new(interval * 3, interval),
         latency: Some(Duration::from_secs_f64(
             args[6].parse::<f64>().unwrap() / 1000.0,
         ))

@@ -19,6 +19,7 @@ use super::announcer::Announcer;
 use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, ProvideTiming, peer_addr_of};
 use super::closest::{Closest, Coordinator};
 use super::dials::BootstrapDials;
+use super::peer_addrs::PeerAddrs;
 use super::{Command, Status};
 use crate::metrics::{DhtLabels, DirectionLabels, Metrics};
 use crate::problems::Problems;
@@ -58,10 +59,8 @@ pub(crate) struct EventLoop {
     problems: Arc<Problems>,
     /// This node, as other nodes reach it.
     local: Peer,
-    /// HTTP peer addresses learned through identify, each with its peer's ID as text, encoded
-    /// once per peer: base58 is slow (a profile of 300 simulated nodes had it at the top, 10%
-    /// of the CPU, when the member list was rebuilt on every connection event).
-    http_addrs: HashMap<PeerId, Peer>,
+    /// HTTP peer addresses learned through identify (`peer_addrs.rs`).
+    http_addrs: PeerAddrs,
     /// Open provider lookups, with the providers already sent.
     lookups: HashMap<QueryId, (mpsc::Sender<Peer>, HashSet<PeerId>)>,
     /// Providers found before we knew their HTTP address: delivered once identify arrives,
@@ -99,7 +98,7 @@ impl EventLoop {
             metrics,
             problems,
             local,
-            http_addrs: HashMap::new(),
+            http_addrs: PeerAddrs::new(timing.ttl),
             lookups: HashMap::new(),
             awaiting_identify: HashMap::new(),
             coordinator_waiting: HashMap::new(),
@@ -142,9 +141,15 @@ impl EventLoop {
                 }
                 _ = announce.tick() => self.announcer.tick(&mut self.swarm, Instant::now()),
                 _ = expire.tick() => {
-                    let gone = self.swarm.behaviour_mut().kad.store_mut().expire(Instant::now());
+                    let now = Instant::now();
+                    let gone = self.swarm.behaviour_mut().kad.store_mut().expire(now);
                     if gone > 0 {
                         tracing::debug!(gone, "expired provider records dropped");
+                    }
+                    let swarm = &self.swarm;
+                    let forgotten = self.http_addrs.forget_stale(now, |p| swarm.is_connected(p));
+                    if forgotten > 0 {
+                        tracing::debug!(forgotten, known = self.http_addrs.len(), "peer addresses unheard of for a record's lifetime forgotten");
                     }
                 }
                 _ = refresh.tick() => {
@@ -549,19 +554,7 @@ impl EventLoop {
         for addr in info.listen_addrs {
             self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
         }
-        // Identify comes again on every new connection and every few minutes: the ID is
-        // encoded once per peer (base58 is slow).
-        let peer = match self.http_addrs.get(&peer_id) {
-            Some(known) if known.addr == http => known.clone(),
-            _ => {
-                let peer = Peer {
-                    id: peer_id.to_base58(),
-                    addr: http,
-                };
-                self.http_addrs.insert(peer_id, peer.clone());
-                peer
-            }
-        };
+        let peer = self.http_addrs.heard(peer_id, http, Instant::now());
         if self.swarm.is_connected(&peer_id) {
             self.status
                 .members
