@@ -557,6 +557,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     out["walks_timed_out_per_node"] = json!(round3(sum(&after, "walks_timed_out") / n as f64));
     out["walks_converged_per_node"] = json!(round3(sum(&after, "walks_converged") / n as f64));
     out["batches_failed_per_node"] = json!(round3(sum(&after, "batches_failed") / n as f64));
+    out["second_chances_per_node"] = json!(round3(sum(&after, "second_chances") / n as f64));
     out["nodes_with_timed_out_walks"] = json!(timed_out.len());
     out["missed_owners_walks_timed_out"] = json!(
         missed_owners
@@ -734,6 +735,7 @@ fn stats(nodes: &Nodes) -> Value {
     let mut dials = 0u64;
     // Announcement walks and batches by outcome; each node's timed-out walks, by start order.
     let (mut converged, mut walks_timed_out, mut delivered, mut failed) = (0u64, 0u64, 0u64, 0u64);
+    let mut second_chances = 0u64;
     let mut timed_out: Vec<(usize, u64)> = Vec::new();
     let outcome = |family: &Family<OutcomeLabels, Counter>, outcome| {
         family.get_or_create(&OutcomeLabels { outcome }).get()
@@ -748,6 +750,7 @@ fn stats(nodes: &Nodes) -> Value {
         converged += outcome(&m.announce_walks, "converged");
         delivered += outcome(&m.announce_batches, "delivered");
         failed += outcome(&m.announce_batches, "failed");
+        second_chances += m.announce_second_chances.get();
         pending += n.metrics.announcements_pending.get();
         dials += n.metrics.bootstrap_dials.get();
         rested += n.metrics.announcements_rested.get();
@@ -780,6 +783,7 @@ fn stats(nodes: &Nodes) -> Value {
         "walks_timed_out": walks_timed_out,
         "batches_delivered": delivered,
         "batches_failed": failed,
+        "second_chances": second_chances,
         "timed_out_by_node": timed_out,
     })
 }

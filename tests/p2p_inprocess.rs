@@ -696,6 +696,24 @@ async fn node_in_a_process() {
     }
 }
 
+/// Five nodes and a sixth in a process of its own, frozen once every node is connected to
+/// every node.
+async fn five_nodes_and_a_frozen_one(
+    tmp: &std::path::Path,
+    timing: ProvideTiming,
+) -> (Vec<Node>, NodeProcess) {
+    let nodes = cluster_with(tmp, 5, timing).await;
+    let frozen = NodeProcess::start(&tmp.join("frozen"), nodes[0].p2p);
+    // Kademlia's first walks connect every node to every other, the frozen one included.
+    eventually("every node connected to every node", || {
+        let all = nodes.iter().all(|n| n.router.connected_peers() == 5);
+        async move { all }
+    })
+    .await;
+    frozen.freeze();
+    (nodes, frozen)
+}
+
 /// A node freezes (powered off or hung: its connections stay open, its requests go
 /// unanswered) while the others still list it. libp2p's walks wait 10 s for one node's answer,
 /// then go on without it, so a walk that meets the frozen node still converges on the others
@@ -705,15 +723,7 @@ async fn node_in_a_process() {
 async fn a_node_that_stops_answering_does_not_stop_announcement_walks_converging() {
     let _one_at_a_time = MANY_NODES.lock().await;
     let tmp = tempfile::tempdir().unwrap();
-    let nodes = cluster_with(tmp.path(), 5, ONE_ROUND).await;
-    let frozen = NodeProcess::start(&tmp.path().join("frozen"), nodes[0].p2p);
-    // Kademlia's first walks connect every node to every other, the frozen one included.
-    eventually("every node connected to every node", || {
-        let all = nodes.iter().all(|n| n.router.connected_peers() == 5);
-        async move { all }
-    })
-    .await;
-    frozen.freeze();
+    let (nodes, frozen) = five_nodes_and_a_frozen_one(tmp.path(), ONE_ROUND).await;
 
     let keys: Vec<String> = (0..40)
         .map(|i| format!("sha256:{:064x}", 0xdead00 + i))
@@ -757,8 +767,9 @@ async fn a_node_that_stops_answering_does_not_stop_announcement_walks_converging
 
 /// Walks that time out (here: a query bound shorter than libp2p's 10 s wait for a frozen
 /// node; on a real cluster, an overload) place their keys on the nodes they reached only.
-/// Those keys get a second chance a while later: by then the node has thawed, the second
-/// walks converge on every node and it receives its records, within the round.
+/// Those keys get a second chance a while later: by then the node has thawed; one walk's keys
+/// go first (this node's walks were timing out), that walk converges, the rest follow, and
+/// the thawed node receives its records within the round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_of_timed_out_walks_are_announced_again_once_the_network_answers() {
     let _one_at_a_time = MANY_NODES.lock().await;
@@ -768,14 +779,7 @@ async fn keys_of_timed_out_walks_are_announced_again_once_the_network_answers() 
         second_chance_after: Duration::from_secs(8),
         ..ONE_ROUND
     };
-    let nodes = cluster_with(tmp.path(), 5, timing).await;
-    let frozen = NodeProcess::start(&tmp.path().join("frozen"), nodes[0].p2p);
-    eventually("every node connected to every node", || {
-        let all = nodes.iter().all(|n| n.router.connected_peers() == 5);
-        async move { all }
-    })
-    .await;
-    frozen.freeze();
+    let (nodes, frozen) = five_nodes_and_a_frozen_one(tmp.path(), timing).await;
 
     let metrics = &nodes[0].metrics;
     let walks = |outcome| {

@@ -150,15 +150,19 @@ impl Announcer {
             self.next_round = now + round_wait(&self.timing, &self.random, self.draws);
             self.draws += 1;
         }
-        let mut again = 0;
-        for key in self.second_chance.due(now) {
-            // Withdrawn meanwhile: nothing to announce.
-            if self.provided.contains(&*key) {
-                self.pending.insert(key.to_string());
-                again += 1;
+        // Second chances are this node's least urgent work: they wait until its round's
+        // walks and batches are done.
+        if self.idle() {
+            let mut again = 0;
+            for key in self.second_chance.due(now) {
+                // Withdrawn meanwhile: nothing to announce.
+                if self.provided.contains(&*key) {
+                    self.pending.insert(key.to_string());
+                    again += 1;
+                }
             }
+            self.metrics.announce_second_chances.inc_by(again);
         }
-        self.metrics.announce_second_chances.inc_by(again);
         self.progress(swarm);
     }
 
@@ -241,6 +245,7 @@ impl Announcer {
         };
         let outcome = if complete { "converged" } else { "timed_out" };
         count(&self.metrics.announce_walks, outcome);
+        self.second_chance.walk_ended(complete);
         if found.is_empty() {
             self.walk_after = Some(Instant::now() + EMPTY_WALK_BACKOFF);
         }
