@@ -20,7 +20,8 @@
 //!
 //! `cargo bench --bench scale -- [--nodes 100,300,1000] [--digests 10000] [--shared 0.8]
 //! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120]
-//! [--start-every-ms 0] [--window-s 240] [--out DIR] [--replot]`. `--start-every-ms` starts the
+//! [--start-every-ms 0] [--window-s 240] [--second-chance-s 60] [--out DIR] [--replot]`.
+//! `--second-chance-s` longer than the interval turns second chances off (a round comes first). `--start-every-ms` starts the
 //! nodes one after another, one every that many milliseconds, instead of all at once; a `--window-s` shorter than
 //! the interval holds no full round, and the announce traffic is then the first round's. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
 
@@ -45,6 +46,7 @@ use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
     DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming,
+    SECOND_CHANCE_AFTER,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -80,6 +82,8 @@ struct Options {
     start_every_ms: u64,
     /// The steady-state window; two intervals unless given.
     window_s: Option<u64>,
+    /// When keys of timed-out walks and failed batches are announced again (Ferry's: 60 s).
+    second_chance_s: u64,
     out: PathBuf,
     replot: bool,
 }
@@ -95,6 +99,7 @@ fn options(args: &[String]) -> Options {
         churn_s: 120,
         start_every_ms: 0,
         window_s: None,
+        second_chance_s: SECOND_CHANCE_AFTER.as_secs(),
         out: PathBuf::from("benches/results"),
         replot: false,
     };
@@ -111,6 +116,7 @@ fn options(args: &[String]) -> Options {
             "--churn-s" => o.churn_s = v().parse().unwrap(),
             "--start-every-ms" => o.start_every_ms = v().parse().unwrap(),
             "--window-s" => o.window_s = Some(v().parse().unwrap()),
+            "--second-chance-s" => o.second_chance_s = v().parse().unwrap(),
             "--out" => o.out = PathBuf::from(v()),
             "--replot" => o.replot = true,
             "--bench" => {}
@@ -327,6 +333,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
                 .args([opts.shared.to_string(), opts.interval_s.to_string()])
                 .arg(opts.latency_ms.to_string())
                 .arg(logs.join(format!("w{w}")))
+                .arg(opts.second_chance_s.to_string())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(std::fs::File::create(logs.join(format!("w{w}.log"))).unwrap())
@@ -554,6 +561,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         })
         .filter_map(|p| Some((p[0].as_u64()?, p[1].as_u64()?)))
         .collect();
+    out["second_chance_s"] = json!(opts.second_chance_s);
     out["walks_timed_out_per_node"] = json!(round3(sum(&after, "walks_timed_out") / n as f64));
     out["walks_converged_per_node"] = json!(round3(sum(&after, "walks_converged") / n as f64));
     out["batches_failed_per_node"] = json!(round3(sum(&after, "batches_failed") / n as f64));
@@ -599,7 +607,10 @@ fn worker(args: &[String]) {
         n: num(2),
         digests: num(3),
         shared: args[4].parse().unwrap(),
-        timing: ProvideTiming::new(interval * 3, interval),
+        timing: ProvideTiming {
+            second_chance_after: Duration::from_secs(args[8].parse().unwrap()),
+            ..ProvideTiming::new(interval * 3, interval)
+        },
         latency: Some(Duration::from_secs_f64(
             args[6].parse::<f64>().unwrap() / 1000.0,
         ))
