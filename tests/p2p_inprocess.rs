@@ -767,16 +767,16 @@ async fn a_node_that_stops_answering_does_not_stop_announcement_walks_converging
 
 /// Walks that time out (here: a query bound shorter than libp2p's 10 s wait for a frozen
 /// node; on a real cluster, an overload) place their keys on the nodes they reached only.
-/// Those keys get a second chance a while later: by then the node has thawed; one walk's keys
-/// at a time go first (this node's walks were timing out), their walks converge, the rest
-/// follow, and the thawed node receives its records within the round.
+/// Those keys get a second chance a while later (40 keys: within the round's budget): by
+/// then the node has thawed, the second walks converge on every node and it receives its
+/// records, within the round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_of_timed_out_walks_are_announced_again_once_the_network_answers() {
     let _one_at_a_time = MANY_NODES.lock().await;
     let tmp = tempfile::tempdir().unwrap();
     let timing = ProvideTiming {
         query_timeout: Duration::from_secs(1),
-        second_chance_after: Duration::from_secs(3),
+        second_chance_after: Duration::from_secs(8),
         ..ONE_ROUND
     };
     let (nodes, frozen) = five_nodes_and_a_frozen_one(tmp.path(), timing).await;

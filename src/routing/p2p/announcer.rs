@@ -245,7 +245,6 @@ impl Announcer {
         };
         let outcome = if complete { "converged" } else { "timed_out" };
         count(&self.metrics.announce_walks, outcome);
-        self.second_chance.walk_ended(complete);
         if found.is_empty() {
             self.walk_after = Some(Instant::now() + EMPTY_WALK_BACKOFF);
         }
@@ -259,7 +258,8 @@ impl Announcer {
         if !complete {
             // Placed on the nodes reached, which may not be the keys' closest.
             let keys = plan.values().flatten().cloned();
-            self.second_chance.add(keys, Instant::now());
+            self.second_chance
+                .add(keys, Instant::now(), self.provided.len());
         }
         let mut addrs: HashMap<PeerId, Vec<Multiaddr>> =
             found.into_iter().map(|p| (p.peer_id, p.addrs)).collect();
@@ -365,7 +365,8 @@ impl Announcer {
                 tracing::debug!(%peer, %error, "a batch of provider records was not delivered");
                 count(&self.metrics.announce_batches, "failed");
                 if let Some(sent) = self.batches.remove(&request_id) {
-                    self.second_chance.add(sent, Instant::now());
+                    self.second_chance
+                        .add(sent, Instant::now(), self.provided.len());
                 }
                 self.progress(swarm);
             }
