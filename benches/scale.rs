@@ -20,8 +20,7 @@
 //!
 //! `cargo bench --bench scale -- [--nodes 100,300,1000] [--digests 10000] [--shared 0.8]
 //! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120]
-//! [--start-every-ms 0] [--window-s 240] [--second-chance-s 60] [--out DIR] [--replot]`.
-//! `--second-chance-s` longer than the interval turns second chances off (a round comes first). `--start-every-ms` starts the
+//! [--start-every-ms 0] [--window-s 240] [--out DIR] [--replot]`. `--start-every-ms` starts the
 //! nodes one after another, one every that many milliseconds, instead of all at once; a `--window-s` shorter than
 //! the interval holds no full round, and the announce traffic is then the first round's. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
 
@@ -45,8 +44,7 @@ use ferry::problems::Problems;
 use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
-    DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming,
-    SECOND_CHANCE_AFTER,
+    DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -82,8 +80,6 @@ struct Options {
     start_every_ms: u64,
     /// The steady-state window; two intervals unless given.
     window_s: Option<u64>,
-    /// When keys of timed-out walks and failed batches are announced again (Ferry's: 60 s).
-    second_chance_s: u64,
     out: PathBuf,
     replot: bool,
 }
@@ -99,7 +95,6 @@ fn options(args: &[String]) -> Options {
         churn_s: 120,
         start_every_ms: 0,
         window_s: None,
-        second_chance_s: SECOND_CHANCE_AFTER.as_secs(),
         out: PathBuf::from("benches/results"),
         replot: false,
     };
@@ -116,7 +111,6 @@ fn options(args: &[String]) -> Options {
             "--churn-s" => o.churn_s = v().parse().unwrap(),
             "--start-every-ms" => o.start_every_ms = v().parse().unwrap(),
             "--window-s" => o.window_s = Some(v().parse().unwrap()),
-            "--second-chance-s" => o.second_chance_s = v().parse().unwrap(),
             "--out" => o.out = PathBuf::from(v()),
             "--replot" => o.replot = true,
             "--bench" => {}
@@ -333,7 +327,6 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
                 .args([opts.shared.to_string(), opts.interval_s.to_string()])
                 .arg(opts.latency_ms.to_string())
                 .arg(logs.join(format!("w{w}")))
-                .arg(opts.second_chance_s.to_string())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(std::fs::File::create(logs.join(format!("w{w}.log"))).unwrap())
@@ -561,11 +554,9 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         })
         .filter_map(|p| Some((p[0].as_u64()?, p[1].as_u64()?)))
         .collect();
-    out["second_chance_s"] = json!(opts.second_chance_s);
     out["walks_timed_out_per_node"] = json!(round3(sum(&after, "walks_timed_out") / n as f64));
     out["walks_converged_per_node"] = json!(round3(sum(&after, "walks_converged") / n as f64));
     out["batches_failed_per_node"] = json!(round3(sum(&after, "batches_failed") / n as f64));
-    out["second_chances_per_node"] = json!(round3(sum(&after, "second_chances") / n as f64));
     out["nodes_with_timed_out_walks"] = json!(timed_out.len());
     out["missed_owners_walks_timed_out"] = json!(
         missed_owners
@@ -608,8 +599,9 @@ fn worker(args: &[String]) {
         digests: num(3),
         shared: args[4].parse().unwrap(),
         timing: ProvideTiming {
-            second_chance_after: Duration::from_secs(args[8].parse().unwrap()),
-            ..ProvideTiming::new(interval * 3, interval)
+            ttl: interval * 3,
+            interval,
+            replicas: REPLICAS,
         },
         latency: Some(Duration::from_secs_f64(
             args[6].parse::<f64>().unwrap() / 1000.0,
@@ -746,7 +738,6 @@ fn stats(nodes: &Nodes) -> Value {
     let mut dials = 0u64;
     // Announcement walks and batches by outcome; each node's timed-out walks, by start order.
     let (mut converged, mut walks_timed_out, mut delivered, mut failed) = (0u64, 0u64, 0u64, 0u64);
-    let mut second_chances = 0u64;
     let mut timed_out: Vec<(usize, u64)> = Vec::new();
     let outcome = |family: &Family<OutcomeLabels, Counter>, outcome| {
         family.get_or_create(&OutcomeLabels { outcome }).get()
@@ -761,7 +752,6 @@ fn stats(nodes: &Nodes) -> Value {
         converged += outcome(&m.announce_walks, "converged");
         delivered += outcome(&m.announce_batches, "delivered");
         failed += outcome(&m.announce_batches, "failed");
-        second_chances += m.announce_second_chances.get();
         pending += n.metrics.announcements_pending.get();
         dials += n.metrics.bootstrap_dials.get();
         rested += n.metrics.announcements_rested.get();
@@ -794,7 +784,6 @@ fn stats(nodes: &Nodes) -> Value {
         "walks_timed_out": walks_timed_out,
         "batches_delivered": delivered,
         "batches_failed": failed,
-        "second_chances": second_chances,
         "timed_out_by_node": timed_out,
     })
 }

@@ -38,7 +38,7 @@ use crate::registry::{
 };
 use crate::routing::Router;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
-use crate::routing::p2p::{IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming};
+use crate::routing::p2p::{IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use crate::routing::sync::{self, SyncConfig};
 use crate::store::ContentStore;
 use crate::store::containerd::ContainerdStore;
@@ -228,7 +228,11 @@ impl PeerSetup {
                 },
                 advertise: Some(advertise),
                 peer_http_addr,
-                timing: ProvideTiming::new(settings.provide_ttl, settings.reprovide_interval),
+                timing: ProvideTiming {
+                    ttl: settings.provide_ttl,
+                    interval: settings.reprovide_interval,
+                    replicas: REPLICAS,
+                },
                 psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
                 simulated_latency: None,
                 bootstrap_dials: settings.bootstrap_dials,

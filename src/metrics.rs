@@ -172,7 +172,6 @@ pub struct Metrics {
     pub announce_rounds_early: Counter,
     pub announce_walks: Family<OutcomeLabels, Counter>,
     pub announce_batches: Family<OutcomeLabels, Counter>,
-    pub announce_second_chances: Counter,
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
@@ -227,7 +226,6 @@ impl Metrics {
         let announce_rounds_early = Counter::default();
         let announce_walks = Family::<OutcomeLabels, Counter>::default();
         let announce_batches = Family::<OutcomeLabels, Counter>::default();
-        let announce_second_chances = Counter::default();
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
@@ -311,18 +309,13 @@ impl Metrics {
         );
         registry.register(
             "announce_walks",
-            "Closest-node walks of announcement rounds by outcome: converged, or timed_out (not converged within 10 s: its keys go to the nodes it reached, which may not be their closest, and lookups can miss them until they are announced again a minute later)",
+            "Closest-node walks of announcement rounds by outcome: converged, or timed_out (not converged within 10 s: its keys go to the nodes it reached, which may not be their closest, and lookups can miss them until the next round)",
             announce_walks.clone(),
         );
         registry.register(
             "announce_batches",
-            "Batches of provider records sent to the nodes that store them, by outcome: delivered, or failed (not answered: the key's other nodes hold its records, and its keys are announced again a minute later)",
+            "Batches of provider records sent to the nodes that store them, by outcome: delivered, or failed (not answered: the key's other nodes hold its records)",
             announce_batches.clone(),
-        );
-        registry.register(
-            "announce_second_chances",
-            "Keys announced once more, a minute after a timed-out walk or a failed batch of their round (at most once per key and round)",
-            announce_second_chances.clone(),
         );
         registry.register(
             "store_lookups",
@@ -445,7 +438,6 @@ impl Metrics {
             announce_rounds_early,
             announce_walks,
             announce_batches,
-            announce_second_chances,
             lookups,
             containerd_up,
             hosts_config_written,

@@ -22,7 +22,6 @@ use super::announce::{
 use super::behaviour::{Behaviour, ProvideTiming};
 use super::growth::{Growth, network_size};
 use super::rest::Resting;
-use super::second_chance::SecondChance;
 use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 
 /// Walks in flight at once: enough to cover a round's regions quickly, few enough that a
@@ -57,8 +56,6 @@ pub(crate) struct Announcer {
     batches: HashMap<OutboundRequestId, Vec<Arc<str>>>,
     /// Keys whose storing nodes are full without this node: skipped for a round or two.
     resting: Resting,
-    /// Keys of timed-out walks and failed batches, announced once more a while later.
-    second_chance: SecondChance,
     /// When every provided key is announced again: after 75-100% of the interval (drawn per
     /// round), so nodes started together drift apart and never announce in step, and always
     /// before the records' TTL runs out.
@@ -84,7 +81,6 @@ impl Announcer {
             outbox: HashMap::new(),
             batches: HashMap::new(),
             resting: Resting::new(timing.replicas),
-            second_chance: SecondChance::new(timing.second_chance_after),
             next_round,
             random,
             draws: 1,
@@ -145,23 +141,9 @@ impl Announcer {
                 }
             }
             self.resting.round_started();
-            self.second_chance.round_started();
             self.metrics.announcements_rested.inc_by(rested);
             self.next_round = now + round_wait(&self.timing, &self.random, self.draws);
             self.draws += 1;
-        }
-        // Second chances are this node's least urgent work: they wait until its round's
-        // walks and batches are done.
-        if self.idle() {
-            let mut again = 0;
-            for key in self.second_chance.due(now) {
-                // Withdrawn meanwhile: nothing to announce.
-                if self.provided.contains(&*key) {
-                    self.pending.insert(key.to_string());
-                    again += 1;
-                }
-            }
-            self.metrics.announce_second_chances.inc_by(again);
         }
         self.progress(swarm);
     }
@@ -255,12 +237,6 @@ impl Announcer {
         let whole_network = complete && found.len() < replicas;
         let ids: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
         let plan = self.pending.plan(&target, &ids, whole_network, replicas);
-        if !complete {
-            // Placed on the nodes reached, which may not be the keys' closest.
-            let keys = plan.values().flatten().cloned();
-            self.second_chance
-                .add(keys, Instant::now(), self.provided.len());
-        }
         let mut addrs: HashMap<PeerId, Vec<Multiaddr>> =
             found.into_iter().map(|p| (p.peer_id, p.addrs)).collect();
         for (peer, keys) in plan {
@@ -360,14 +336,10 @@ impl Announcer {
                 error,
                 ..
             } => {
-                // The other replicas hold these keys; they are announced again a while later
-                // (a walk then finds the key's closest nodes that answer).
+                // The other replicas hold these keys; this node's next round tries again.
                 tracing::debug!(%peer, %error, "a batch of provider records was not delivered");
                 count(&self.metrics.announce_batches, "failed");
-                if let Some(sent) = self.batches.remove(&request_id) {
-                    self.second_chance
-                        .add(sent, Instant::now(), self.provided.len());
-                }
+                self.batches.remove(&request_id);
                 self.progress(swarm);
             }
             request_response::Event::InboundFailure { peer, error, .. } => {

@@ -58,40 +58,17 @@ pub struct ProvideTiming {
     /// Nodes that store each key's records, and providers each of them keeps per key:
     /// [`REPLICAS`] in Ferry. Tests lower it to fill a key's slots with a dozen nodes.
     pub replicas: usize,
-    /// The bound on every Kademlia query and batch request: [`QUERY_TIMEOUT`] in Ferry. A
-    /// test lowers it to make walks time out.
-    pub query_timeout: Duration,
-    /// How long after a timed-out walk or a failed batch its keys are announced once more
-    /// (`second_chance.rs`): [`SECOND_CHANCE_AFTER`] in Ferry.
-    pub second_chance_after: Duration,
 }
 
 /// Kademlia's replication factor (k).
 pub const REPLICAS: usize = 20;
-/// Long enough for a passing overload (a pool of nodes starting at once) to have gone, short
-/// against a round (10 minutes by default): a key a timed-out walk misplaced is unfindable
-/// from some nodes for about a minute instead of until the next round.
-pub const SECOND_CHANCE_AFTER: Duration = Duration::from_secs(60);
-
-impl ProvideTiming {
-    /// Ferry's, with records living `ttl` and announced again every `interval`.
-    pub const fn new(ttl: Duration, interval: Duration) -> Self {
-        ProvideTiming {
-            ttl,
-            interval,
-            replicas: REPLICAS,
-            query_timeout: QUERY_TIMEOUT,
-            second_chance_after: SECOND_CHANCE_AFTER,
-        }
-    }
-}
 
 impl Behaviour {
     pub fn new(key: &Keypair, peer_http_addr: SocketAddr, timing: ProvideTiming) -> Self {
         let peer_id = key.public().to_peer_id();
         let mut config = kad::Config::new(KAD_PROTOCOL);
         config
-            .set_query_timeout(timing.query_timeout)
+            .set_query_timeout(QUERY_TIMEOUT)
             .set_provider_record_ttl(Some(timing.ttl))
             // Ferry re-announces its keys itself, through its announcement queue and spread
             // over the interval (`event_loop.rs`): libp2p's own republication starts every
@@ -133,7 +110,7 @@ impl Behaviour {
                 .set_request_size_maximum(PROVIDE_REQUEST_MAX)
                 .set_response_size_maximum(1024),
             [(PROVIDE_PROTOCOL, request_response::ProtocolSupport::Full)],
-            request_response::Config::default().with_request_timeout(timing.query_timeout),
+            request_response::Config::default().with_request_timeout(QUERY_TIMEOUT),
         );
         Behaviour {
             kad,

@@ -14,7 +14,6 @@ mod growth;
 pub mod identity;
 mod peer_addrs;
 mod rest;
-mod second_chance;
 mod store;
 
 use std::net::{IpAddr, SocketAddr};
@@ -34,9 +33,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use anchors::ANCHORS;
-pub use behaviour::{
-    ProvideTiming, QUERY_TIMEOUT, REPLICAS, SECOND_CHANCE_AFTER, agent_version, peer_addr_of,
-};
+pub use behaviour::{ProvideTiming, REPLICAS, agent_version, peer_addr_of};
 pub use dials::DEFAULT_BOOTSTRAP_DIALS;
 
 use super::bootstrap::{Bootstrap, tcp_multiaddr};
