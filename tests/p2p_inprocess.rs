@@ -1,8 +1,9 @@
 //! Real libp2p on loopback, several nodes in one process: the DHT finds providers, forgets
 //! withdrawn ones when their records expire, keeps re-provided ones, announces many keys a
 //! few at a time (all found), rests a key whose storing nodes are full, survives a restart
-//! with the same identity, answers a lookup for a key nobody has within a bound, and keeps
-//! announcing where lookups look while one node is frozen (a process of its own, stopped).
+//! with the same identity, answers a lookup for a key nobody has within a bound, keeps
+//! announcing where lookups look while one node is frozen (a process of its own, stopped),
+//! and names the coordinator every node names even when a walk is too slow to wait for.
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -616,6 +617,7 @@ const ONE_ROUND: ProvideTiming = ProvideTiming {
 /// requests go unanswered. Killed when dropped.
 struct NodeProcess {
     child: std::process::Child,
+    id: libp2p::PeerId,
 }
 
 impl NodeProcess {
@@ -629,12 +631,12 @@ impl NodeProcess {
             .spawn()
             .unwrap();
         let out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let started = out
+        let id = out
             .lines()
             .map_while(Result::ok)
-            .any(|l| l == "node started");
-        assert!(started, "the node process did not start");
-        NodeProcess { child }
+            .find_map(|l| l.strip_prefix("node started ")?.parse().ok())
+            .expect("the node process did not start");
+        NodeProcess { child, id }
     }
 
     fn freeze(&self) {
@@ -665,8 +667,8 @@ async fn node_in_a_process() {
     let p2p: SocketAddr = parts.next().unwrap().parse().unwrap();
     let dir = std::path::PathBuf::from(parts.next().unwrap());
     let http = SocketAddr::new(LOOPBACK, free_port());
-    let _node = start_with(&dir, p2p, http, &[seed], None, ONE_ROUND);
-    println!("node started");
+    let node = start_with(&dir, p2p, http, &[seed], None, ONE_ROUND);
+    println!("node started {}", node.router.peer_id());
     std::future::pending::<()>().await;
 }
 
@@ -723,6 +725,55 @@ async fn a_node_that_stops_answering_does_not_stop_announcement_walks_converging
             );
         }
     }
+    drop(frozen);
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+/// A node whose walk for a key's coordinator is held up (here by a frozen node it asks; in a
+/// storm, a busy machine) cannot wait for it: after the 0.5 s bound it names the XOR-closest
+/// of the nodes it knows, which, where every node knows every node, is the node every walk
+/// names. The fallback before it (rendezvous hashing) named another node: two leaders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_too_slow_for_a_pull_still_names_the_coordinator_every_node_names() {
+    use libp2p::kad::{KBucketKey, RecordKey};
+    let _one_at_a_time = MANY_NODES.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let nodes = cluster_with(tmp.path(), 4, ONE_ROUND).await;
+    let frozen = NodeProcess::start(&tmp.path().join("frozen"), nodes[0].p2p);
+    eventually("every node connected to every node", || {
+        let all = nodes.iter().all(|n| n.router.connected_peers() == 4);
+        async move { all }
+    })
+    .await;
+    frozen.freeze();
+
+    // Keys a live node coordinates (one the frozen node coordinates has no live answer).
+    let frozen_first = |key: &String| {
+        let target = KBucketKey::new(RecordKey::new(key));
+        let d = |p: libp2p::PeerId| KBucketKey::from(p).distance(&target);
+        nodes.iter().all(|n| d(frozen.id) < d(n.router.peer_id()))
+    };
+    let keys: Vec<String> = (0..)
+        .map(|k| format!("sha256:{:064x}", 0xc0_0000 + k))
+        .filter(|k| !frozen_first(k))
+        .take(6)
+        .collect();
+    let mut slow = 0;
+    for key in &keys {
+        let want = closest_to(&nodes, key).http;
+        for n in &nodes {
+            let started = Instant::now();
+            let got = n.router.coordinator(key).await.map(|p| p.addr);
+            assert_eq!(got, Some(want), "{key}");
+            // Each walk waits 10 s for the frozen node: this one could not wait for it.
+            if started.elapsed() >= Duration::from_millis(500) {
+                slow += 1;
+            }
+        }
+    }
+    assert!(slow > 0, "no walk was held up: the test tested nothing");
     drop(frozen);
     for n in nodes {
         stop(n).await;

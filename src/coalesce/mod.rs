@@ -8,9 +8,10 @@
 //!    *coordinator*: the node whose ID is XOR-closest to the digest's key, this node
 //!    included, from the DHT walk that has just found no provider (`routing::p2p::closest`).
 //!    Every node's walk for a key ends at the same closest nodes, so nodes agree without
-//!    being connected to each other (each node holds only a few dozen connections). A router
-//!    that cannot tell (the in-memory one of tests) falls back to rendezvous hashing over the
-//!    nodes it is connected to (`rendezvous.rs`).
+//!    being connected to each other (each node holds only a few dozen connections); a walk
+//!    too slow for the pull is replaced by the same rule over the nodes the router knows. A
+//!    router that cannot tell (the in-memory one of tests) falls back to rendezvous hashing
+//!    over the nodes it is connected to (`rendezvous.rs`).
 //! 2. It claims the digest there: one signed request to the coordinator's peer address (or a
 //!    call, when it is the coordinator), bounded by [`CLAIM_TIMEOUT`]. The coordinator's
 //!    lease table (`leases.rs`) answers *lead* to the first claimant and *follow <leader>* to

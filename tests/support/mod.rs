@@ -136,29 +136,56 @@ impl Proc {
     }
 }
 
-/// Lines from each end of a process's log shown when its test fails.
-const LOG_ENDS_ON_FAILURE: usize = 30;
+/// What of a process's log a failing test shows: its first lines (how it came up), its
+/// warnings, errors and Ferry's own info lines in between (the last of them), and its end.
+const LOG_HEAD_ON_FAILURE: usize = 10;
+const LOG_NOTABLE_ON_FAILURE: usize = 40;
+const LOG_TAIL_ON_FAILURE: usize = 30;
+
+/// Lines worth a failing test's output wherever they are in a log (containerd's start alone
+/// is a hundred lines of plugins loading).
+fn notable(line: &str) -> bool {
+    [
+        " WARN ",
+        " ERROR ",
+        " INFO ferry",
+        "level=warning",
+        "level=error",
+    ]
+    .iter()
+    .any(|m| line.contains(m))
+}
+
+/// The part of `log` a failing test shows (see above).
+fn log_excerpt(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    let (head, tail) = (LOG_HEAD_ON_FAILURE, LOG_TAIL_ON_FAILURE);
+    if lines.len() <= head + tail {
+        return lines.join("\n");
+    }
+    let middle = &lines[head..lines.len() - tail];
+    let picked: Vec<&str> = middle.iter().copied().filter(|l| notable(l)).collect();
+    let picked = &picked[picked.len().saturating_sub(LOG_NOTABLE_ON_FAILURE)..];
+    format!(
+        "{}\n[... {} lines, of which these {} are warnings, errors or Ferry's info ...]\n{}\n[...]\n{}",
+        lines[..head].join("\n"),
+        middle.len(),
+        picked.len(),
+        picked.join("\n"),
+        lines[lines.len() - tail..].join("\n")
+    )
+}
 
 impl Drop for Proc {
     fn drop(&mut self) {
         self.stop();
-        // A failing test's processes say why in its output (CI keeps no temporary files):
-        // the start (how it came up, its first dials) and the end.
+        // A failing test's processes say why in its output (CI keeps no temporary files).
         if std::thread::panicking() {
-            let log = self.log_text();
-            let lines: Vec<&str> = log.lines().collect();
-            let n = LOG_ENDS_ON_FAILURE;
-            let shown = if lines.len() <= 2 * n {
-                lines.join("\n")
-            } else {
-                format!(
-                    "{}\n[... {} lines ...]\n{}",
-                    lines[..n].join("\n"),
-                    lines.len() - 2 * n,
-                    lines[lines.len() - n..].join("\n")
-                )
-            };
-            eprintln!("--- {}:\n{shown}", self.log.display());
+            eprintln!(
+                "--- {}:\n{}",
+                self.log.display(),
+                log_excerpt(&self.log_text())
+            );
         }
     }
 }
@@ -616,8 +643,10 @@ impl Ferry {
             .arg("--metrics-addr")
             .arg(metrics.to_string());
         // Tests read debug lines; a benchmark passes its own level (debug costs time).
+        // `FERRY_TEST_LOG` (a filter, `debug,hyper=trace`) looks closer at a failing test.
         if !extra.contains(&"--log-level") {
-            cmd.args(["--log-level", "debug"]);
+            let level = std::env::var("FERRY_TEST_LOG").unwrap_or_else(|_| "debug".into());
+            cmd.args(["--log-level", &level]);
         }
         if !extra.contains(&"--data-dir") {
             cmd.arg("--data-dir").arg(dir.join("ferry-data"));

@@ -230,6 +230,18 @@ impl EventLoop {
         }
     }
 
+    /// The coordinator of `key` among the nodes in the routing table or connected now, for a
+    /// pull that could not wait for the walk: the XOR-closest, as a walk picks, so a node
+    /// whose walk was slow names the node the others' walks named whenever it knows it.
+    fn nearest_known(&mut self, key: String, reply: mpsc::Sender<Peer>) {
+        let mut known: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+        for bucket in self.swarm.behaviour_mut().kad.kbuckets() {
+            known.extend(bucket.iter().map(|e| *e.node.key.preimage()));
+        }
+        let found = self.closest.closest_of(&key, &known);
+        self.send_coordinator(found, reply);
+    }
+
     fn walk_for_coordinator(&mut self, key: String) {
         let id = self
             .swarm
@@ -319,6 +331,7 @@ impl EventLoop {
                 self.lookups.insert(id, (reply, HashSet::new()));
             }
             Command::Coordinator { key, reply } => self.coordinator(key, reply),
+            Command::NearestKnown { key, reply } => self.nearest_known(key, reply),
             Command::Bootstrap { addrs } => self.bootstrap_dial(addrs),
             Command::Advertise { keys, reply } => {
                 let _ = reply.send(self.announcer.advertise(&mut self.swarm, keys));

@@ -56,7 +56,8 @@ pub const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long picking a key's coordinator may wait for a walk of the DHT (milliseconds in a
 /// cluster; usually the miss's own provider walk, already under way). It is on the path of a
 /// pull, before the claim (`coalesce::CLAIM_TIMEOUT`): a walk slower than this falls back to
-/// rendezvous hashing over the connected nodes, which at worst costs a second upstream fetch.
+/// the closest of the nodes known (routing table and connections), which in a large network
+/// may not be the walk's pick and at worst costs a second upstream fetch.
 const COORDINATOR_WAIT: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone)]
@@ -114,6 +115,11 @@ pub(crate) enum Command {
     },
     /// The coordinator of `key` (`closest.rs`), sent once known; dropped if it cannot be.
     Coordinator {
+        key: String,
+        reply: mpsc::Sender<super::Peer>,
+    },
+    /// The closest to `key` of the nodes known now, without a walk (`Coordinator` was slow).
+    NearestKnown {
         key: String,
         reply: mpsc::Sender<super::Peer>,
     },
@@ -348,6 +354,26 @@ impl Router for P2pRouter {
         let (reply, mut rx) = mpsc::channel(1);
         self.commands
             .send(Command::Coordinator {
+                key: key.to_string(),
+                reply,
+            })
+            .await
+            .ok()?;
+        if let Ok(found) = tokio::time::timeout(COORDINATOR_WAIT, rx.recv()).await {
+            return found;
+        }
+        // The walk is slow (a busy node): pick by the same rule among the nodes known now,
+        // which is the walk's own answer wherever this node knows the key's closest nodes
+        // (every node, in a cluster small enough that each knows all). Rendezvous hashing
+        // instead would name another node than the other nodes' walks did: two leaders.
+        tracing::info!(
+            key,
+            waited_ms = COORDINATOR_WAIT.as_millis() as u64,
+            "the DHT walk for a coordinator is slow; picking the closest node known"
+        );
+        let (reply, mut rx) = mpsc::channel(1);
+        self.commands
+            .send(Command::NearestKnown {
                 key: key.to_string(),
                 reply,
             })
