@@ -20,7 +20,8 @@
 //!
 //! `cargo bench --bench scale -- [--nodes 100,300,1000] [--digests 10000] [--shared 0.8]
 //! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120]
-//! [--start-every-ms 0] [--window-s 240] [--out DIR] [--replot]`. `--start-every-ms` starts the
+//! [--start-every-ms 0] [--window-s 240] [--out DIR] [--replot] [--table]`; `--table` runs
+//! every row of `<out>/scale.json` again, each with the settings it was measured with. `--start-every-ms` starts the
 //! nodes one after another, one every that many milliseconds, instead of all at once; a `--window-s` shorter than
 //! the interval holds no full round, and the announce traffic is then the first round's. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
 
@@ -82,6 +83,8 @@ struct Options {
     window_s: Option<u64>,
     out: PathBuf,
     replot: bool,
+    /// Run every row of the report again, each with its own settings.
+    table: bool,
 }
 
 fn options(args: &[String]) -> Options {
@@ -97,6 +100,7 @@ fn options(args: &[String]) -> Options {
         window_s: None,
         out: PathBuf::from("benches/results"),
         replot: false,
+        table: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -113,6 +117,7 @@ fn options(args: &[String]) -> Options {
             "--window-s" => o.window_s = Some(v().parse().unwrap()),
             "--out" => o.out = PathBuf::from(v()),
             "--replot" => o.replot = true,
+            "--table" => o.table = true,
             "--bench" => {}
             other => panic!("unknown option {other}"),
         }
@@ -158,15 +163,22 @@ fn main() {
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_else(|| json!({ "runs": [] }));
-    for &n in &opts.nodes {
+    let runs: Vec<(Options, usize)> = if opts.table {
+        report["runs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|r| as_measured(r, &opts))
+            .collect()
+    } else {
+        opts.nodes.iter().map(|&n| (opts.clone(), n)).collect()
+    };
+    for (opts, n) in runs {
         let run = run(&ns, &opts, n);
         println!("{}", serde_json::to_string_pretty(&run).unwrap());
         let runs = report["runs"].as_array_mut().unwrap();
-        runs.retain(|r| {
-            !(r["nodes"] == run["nodes"]
-                && r["digests_per_node"] == run["digests_per_node"]
-                && mode(r) == mode(&run))
-        });
+        runs.retain(|r| setup(r) != setup(&run));
         runs.push(run);
         runs.sort_by_key(|r| {
             (
@@ -181,6 +193,49 @@ fn main() {
         chart(&report, &opts.out.join("scale.png"));
     }
     println!("{}", table(&report));
+}
+
+/// The settings `row` was measured with (`--table`), for a run that replaces it.
+fn as_measured(row: &Value, base: &Options) -> (Options, usize) {
+    let n = row["nodes"].as_u64().unwrap() as usize;
+    let number = |field: &str| row[field].as_f64();
+    let mut o = base.clone();
+    o.digests = row["digests_per_node"].as_u64().unwrap() as usize;
+    o.shared = number("shared_fraction").unwrap_or(o.shared);
+    o.latency_ms = number("latency_ms_per_hop").unwrap_or(o.latency_ms);
+    o.interval_s = row["sim_interval_s"].as_u64().unwrap_or(o.interval_s);
+    o.churn_s = row["churn_s"].as_u64().unwrap_or(o.churn_s);
+    o.start_every_ms = row["start_every_ms"].as_u64().unwrap_or(0);
+    o.window_s = number("steady_window_s").map(|w| w.round() as u64);
+    if let Some(workers) = row["worker_processes"].as_u64() {
+        o.per_worker = n.div_ceil(workers as usize);
+    }
+    (o, n)
+}
+
+/// What makes a row: a run replaces only the one measured with the same settings (a run at
+/// the 120 s interval that saturates this machine must not replace one at the real interval).
+fn setup(run: &Value) -> (Option<u64>, Option<u64>, String, Option<u64>, u64) {
+    (
+        run["nodes"].as_u64(),
+        run["digests_per_node"].as_u64(),
+        mode(run).to_string(),
+        run["sim_interval_s"].as_u64(),
+        run["start_every_ms"].as_u64().unwrap_or(0),
+    )
+}
+
+/// How the nodes started and how often they re-announced, for the table: what to pass to
+/// reproduce a row (`--start-every-ms`, `--interval-s`).
+fn settings(run: &Value) -> String {
+    let start = match run["start_every_ms"].as_u64().unwrap_or(0) {
+        0 => "all at once".to_string(),
+        ms => format!("one per {ms} ms"),
+    };
+    match run["sim_interval_s"].as_u64() {
+        Some(s) => format!("{start}, rounds every {s} s"),
+        None => start,
+    }
 }
 
 /// How a run measured its announce traffic: over a steady window of full rounds (every run
@@ -369,7 +424,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         if rss > MEMORY_LIMIT_MIB {
             eprintln!("    {rss:.0} MiB: more than this machine can hold; {n} nodes do not fit");
             let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
-            return json!({ "nodes": n, "digests_per_node": opts.digests, "did_not_fit_mib": rss.round() });
+            return json!({ "nodes": n, "digests_per_node": opts.digests, "sim_interval_s": opts.interval_s, "start_every_ms": every, "did_not_fit_mib": rss.round() });
         }
         // The machine's 2 cores cannot carry every node's work: say so instead of waiting.
         if started.elapsed() > START_LIMIT + spread {
@@ -378,7 +433,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
                 START_LIMIT.as_secs()
             );
             let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
-            return json!({ "nodes": n, "digests_per_node": opts.digests, "did_not_settle_s": START_LIMIT.as_secs() });
+            return json!({ "nodes": n, "digests_per_node": opts.digests, "sim_interval_s": opts.interval_s, "start_every_ms": every, "did_not_settle_s": START_LIMIT.as_secs() });
         }
         // Twice in a row: a round just finishing can show 0 between two walks.
         idle_checks = if pending == 0.0 && alone == 0.0 && unstarted == 0.0 {
@@ -1002,20 +1057,22 @@ fn f(v: &Value) -> String {
 
 fn table(report: &Value) -> String {
     let mut out = String::from(
-        "| nodes | digests/node | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node (mean / most) | bootstrap dials/node | CPU s/node/round | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| nodes | digests/node | start, rounds | lookup p50 | lookup p99 | not-found p50 | announce msgs/node/s | RSS/node | findable after start | connections/node (mean / most) | bootstrap dials/node | CPU s/node/round | lookups missed (steady / churn) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in report["runs"].as_array().cloned().unwrap_or_default() {
         if let Some(mib) = r["did_not_fit_mib"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | did not fit: {mib:.0} MiB before the start was over |||||||||\n",
-                r["nodes"], r["digests_per_node"]
+                "| {} | {} | {} | did not fit: {mib:.0} MiB before the start was over |||||||||\n",
+                r["nodes"],
+                r["digests_per_node"],
+                settings(&r)
             ));
             continue;
         }
         if let Some(s) = r["did_not_settle_s"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores |||||||||\n",
-                r["nodes"], r["digests_per_node"]
+                "| {} | {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores |||||||||\n",
+                r["nodes"], r["digests_per_node"], settings(&r)
             ));
             continue;
         }
@@ -1026,9 +1083,10 @@ fn table(report: &Value) -> String {
             f(&r["announce_msgs_per_node_per_s"])
         };
         out.push_str(&format!(
-            "| {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} / {} | {} | {} | {}/{} / {}/{} |\n",
+            "| {} | {} | {} | {} ms | {} ms | {} ms | {} | {} MiB | {} s | {} / {} | {} | {} | {}/{} / {}/{} |\n",
             r["nodes"],
             r["digests_per_node"],
+            settings(&r),
             f(&r["lookup_ms_p50"]),
             f(&r["lookup_ms_p99"]),
             f(&r["notfound_ms_p50"]),

@@ -114,7 +114,8 @@ pub struct ProblemLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DirectionLabels {
-    /// incoming, outgoing
+    /// incoming, outgoing (a handshake; an anchor: held on this node by another, held by
+    /// this node on another, or being asked for)
     pub direction: &'static str,
 }
 
@@ -165,6 +166,7 @@ pub struct Metrics {
     pub peer_failures: Family<StageLabels, Counter>,
     pub peer_auth_failures: Family<ReasonLabels, Counter>,
     pub peers_connected: Gauge,
+    pub peers_anchored: Family<DirectionLabels, Gauge>,
     pub keys_advertised: Gauge,
     pub sync_images_walked: Family<ReasonLabels, Counter>,
     pub announcements_pending: Gauge,
@@ -219,6 +221,10 @@ impl Metrics {
         let peer_failures = Family::<StageLabels, Counter>::default();
         let peer_auth_failures = Family::<ReasonLabels, Counter>::default();
         let peers_connected = Gauge::default();
+        let peers_anchored = Family::<DirectionLabels, Gauge>::default();
+        for direction in ["incoming", "outgoing"] {
+            let _ = peers_anchored.get_or_create(&DirectionLabels { direction });
+        }
         let keys_advertised = Gauge::default();
         let sync_images_walked = Family::<ReasonLabels, Counter>::default();
         let announcements_pending = Gauge::default();
@@ -281,6 +287,11 @@ impl Metrics {
             "peers_connected",
             "Peers with an open libp2p connection",
             peers_connected.clone(),
+        );
+        registry.register(
+            "peers_anchored",
+            "Connections kept open past their idle timeout by an anchor stream (outgoing: held by this node, incoming: by others)",
+            peers_anchored.clone(),
         );
         registry.register(
             "keys_advertised",
@@ -431,6 +442,7 @@ impl Metrics {
             peer_failures,
             peer_auth_failures,
             peers_connected,
+            peers_anchored,
             keys_advertised,
             sync_images_walked,
             announcements_pending,

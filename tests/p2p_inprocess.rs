@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::metrics::{DhtLabels, Metrics, OutcomeLabels};
+use ferry::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
 use ferry::problems::Problems;
 use ferry::routing::bootstrap::{Bootstrap, StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
@@ -420,6 +420,26 @@ async fn idle_connections_close_yet_every_node_keeps_a_few_peers_and_finds_every
     let idle = connected_pairs(&nodes);
     eprintln!("connected pairs: {busy} or more after dialling, {idle} idle");
     assert!(idle <= N * ANCHORS);
+    // `ferry_peers_anchored` says so (looked at every second): every node holds one to
+    // `ANCHORS`, and the anchors held are those others hold for them.
+    let anchored = |direction| -> Vec<i64> {
+        nodes
+            .iter()
+            .map(|n| {
+                n.metrics
+                    .peers_anchored
+                    .get_or_create(&DirectionLabels { direction })
+                    .get()
+            })
+            .collect()
+    };
+    eventually("the anchor gauges agree", || {
+        let (held, kept) = (anchored("outgoing"), anchored("incoming"));
+        let agree = held.iter().all(|h| (1..=ANCHORS as i64).contains(h))
+            && held.iter().sum::<i64>() == kept.iter().sum::<i64>();
+        async move { agree }
+    })
+    .await;
     // Lookups walk through nodes no longer connected: they dial them and still find, each
     // node three others' keys.
     for (a, asker) in nodes.iter().enumerate() {

@@ -74,6 +74,11 @@ impl Plan {
         self.held.len()
     }
 
+    /// Anchors this node holds (open, or asked for a moment ago) and holds for others.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.held.len(), self.inbound.len())
+    }
+
     pub fn connected(&mut self, peer: PeerId, connection: ConnectionId) {
         self.connections.entry(peer).or_default().push(connection);
     }
@@ -159,6 +164,11 @@ impl Behaviour {
             changed: false,
             waker: None,
         }
+    }
+
+    /// See [`Plan::counts`].
+    pub fn counts(&self) -> (usize, usize) {
+        self.plan.counts()
     }
 
     fn wake(&mut self) {

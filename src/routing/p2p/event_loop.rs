@@ -128,6 +128,9 @@ impl EventLoop {
                 },
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
                 () = &mut rebootstrap => {
+                    // Anchors change on their handlers' events, which reach no one: looked at
+                    // with the connections, every second.
+                    self.update_anchored();
                     let next = if self.status.connected.load(Ordering::Relaxed) == 0 {
                         self.resolve_bootstrap();
                         let wait = backoff;
@@ -580,7 +583,18 @@ impl EventLoop {
         }
     }
 
+    fn update_anchored(&self) {
+        let (held, inbound) = self.swarm.behaviour().anchors.counts();
+        for (direction, n) in [("outgoing", held), ("incoming", inbound)] {
+            self.metrics
+                .peers_anchored
+                .get_or_create(&DirectionLabels { direction })
+                .set(n as i64);
+        }
+    }
+
     fn update_connected(&self) {
+        self.update_anchored();
         let n = self.swarm.connected_peers().count();
         self.status.connected.store(n, Ordering::Relaxed);
         self.metrics.peers_connected.set(n as i64);
