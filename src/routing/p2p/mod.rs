@@ -56,8 +56,9 @@ pub const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long picking a key's coordinator may wait for a walk of the DHT (milliseconds in a
 /// cluster; usually the miss's own provider walk, already under way). It is on the path of a
 /// pull, before the claim (`coalesce::CLAIM_TIMEOUT`): a walk slower than this falls back to
-/// the closest of the nodes known (routing table and connections), which in a large network
-/// may not be the walk's pick and at worst costs a second upstream fetch.
+/// the closest of the nodes known (routing table and connections; its HTTP address, if
+/// identify has not given it yet, waited for as long again), which in a large network may not
+/// be the walk's pick and at worst costs a second upstream fetch.
 const COORDINATOR_WAIT: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone)]
