@@ -163,22 +163,29 @@ fn main() {
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_else(|| json!({ "runs": [] }));
-    let runs: Vec<(Options, usize)> = if opts.table {
+    // Each with the row it re-runs (`--table`): replaced even if written by older code.
+    let runs: Vec<(Options, usize, Option<Value>)> = if opts.table {
         report["runs"]
             .as_array()
             .cloned()
             .unwrap_or_default()
-            .iter()
-            .map(|r| as_measured(r, &opts))
+            .into_iter()
+            .map(|r| {
+                let (o, n) = as_measured(&r, &opts);
+                (o, n, Some(r))
+            })
             .collect()
     } else {
-        opts.nodes.iter().map(|&n| (opts.clone(), n)).collect()
+        opts.nodes
+            .iter()
+            .map(|&n| (opts.clone(), n, None))
+            .collect()
     };
-    for (opts, n) in runs {
+    for (opts, n, old) in runs {
         let run = run(&ns, &opts, n);
         println!("{}", serde_json::to_string_pretty(&run).unwrap());
         let runs = report["runs"].as_array_mut().unwrap();
-        runs.retain(|r| setup(r) != setup(&run));
+        runs.retain(|r| setup(r) != setup(&run) && Some(r) != old.as_ref());
         runs.push(run);
         runs.sort_by_key(|r| {
             (
@@ -207,7 +214,10 @@ fn as_measured(row: &Value, base: &Options) -> (Options, usize) {
     o.churn_s = row["churn_s"].as_u64().unwrap_or(o.churn_s);
     o.start_every_ms = row["start_every_ms"].as_u64().unwrap_or(0);
     o.window_s = number("steady_window_s").map(|w| w.round() as u64);
-    if let Some(workers) = row["worker_processes"].as_u64() {
+    // Recorded since `--table`; before, recovered from the worker count (the same count).
+    if let Some(per) = row["per_worker"].as_u64() {
+        o.per_worker = per as usize;
+    } else if let Some(workers) = row["worker_processes"].as_u64() {
         o.per_worker = n.div_ceil(workers as usize);
     }
     (o, n)
@@ -360,6 +370,35 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// The settings of a run of `n` nodes, in every row it writes (also one that did not fit or
+/// settle): what `--table` runs again and what `setup` tells rows apart by.
+fn settings_json(opts: &Options, n: usize) -> Value {
+    let window = opts.window_s.unwrap_or(2 * opts.interval_s);
+    json!({
+        "nodes": n,
+        "digests_per_node": opts.digests,
+        "shared_fraction": opts.shared,
+        "latency_ms_per_hop": opts.latency_ms,
+        "worker_processes": n.div_ceil(opts.per_worker),
+        "per_worker": opts.per_worker,
+        "start_every_ms": opts.start_every_ms,
+        "sim_interval_s": opts.interval_s,
+        "steady_window_s": window,
+        "churn_s": opts.churn_s,
+        "announce_measured_over": if window < opts.interval_s { "first round" } else { "steady window" },
+    })
+}
+
+/// `row` with `extra`'s fields added.
+fn with(mut row: Value, extra: Value) -> Value {
+    if let (Some(row), Some(extra)) = (row.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            row.insert(k.clone(), v.clone());
+        }
+    }
+    row
+}
+
 fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let workers_n = n.div_ceil(opts.per_worker);
     let exe = std::env::current_exe().unwrap();
@@ -424,7 +463,10 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         if rss > MEMORY_LIMIT_MIB {
             eprintln!("    {rss:.0} MiB: more than this machine can hold; {n} nodes do not fit");
             let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
-            return json!({ "nodes": n, "digests_per_node": opts.digests, "sim_interval_s": opts.interval_s, "start_every_ms": every, "did_not_fit_mib": rss.round() });
+            return with(
+                settings_json(opts, n),
+                json!({ "did_not_fit_mib": rss.round() }),
+            );
         }
         // The machine's 2 cores cannot carry every node's work: say so instead of waiting.
         if started.elapsed() > START_LIMIT + spread {
@@ -433,7 +475,10 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
                 START_LIMIT.as_secs()
             );
             let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
-            return json!({ "nodes": n, "digests_per_node": opts.digests, "sim_interval_s": opts.interval_s, "start_every_ms": every, "did_not_settle_s": START_LIMIT.as_secs() });
+            return with(
+                settings_json(opts, n),
+                json!({ "did_not_settle_s": START_LIMIT.as_secs() }),
+            );
         }
         // Twice in a row: a round just finishing can show 0 between two walks.
         idle_checks = if pending == 0.0 && alone == 0.0 && unstarted == 0.0 {
@@ -551,49 +596,52 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
     let _ = std::fs::remove_dir_all(&logs);
 
-    let mut out = json!({
-        "nodes": n,
-        "digests_per_node": opts.digests,
-        "shared_fraction": opts.shared,
-        "latency_ms_per_hop": opts.latency_ms,
-        "worker_processes": workers_n,
-        "lookup_gap_ms": LOOKUP_GAP.as_millis() as u64,
-        "lookup_ms_p50": round3(percentile(&found_ms, 0.5)),
-        "lookup_ms_p99": round3(percentile(&found_ms, 0.99)),
-        "lookups": found_ms.len() as f64 + missed,
-        "lookups_not_found": missed,
-        "notfound_ms_p50": round3(percentile(&absent_ms, 0.5)),
-        "notfound_ms_p99": round3(percentile(&absent_ms, 0.99)),
-        "announce_msgs_per_node_per_s": round3(msgs_default),
-        "announce_msgs_per_node_per_round": round3(per_round),
-        "keys_rested_per_node_per_round": round3(rested_per_round),
-        "announce_bytes_per_node_per_round": bytes_per_round.round(),
-        "announce_measured_over": if from_first_round { "first round" } else { "steady window" },
-        "first_round_msgs_per_node": round3(first_round_msgs),
-        "first_round_cpu_s_per_node": round3(first_round_cpu),
-        "cpu_s_per_node_per_round": round3(cpu_per_round),
-        "first_round_bytes_per_node": first_round_bytes.round(),
-        "start_every_ms": every,
-        "early_rounds_per_node": round3(sum(&after, "early_rounds") / n as f64),
-        "steady_window_s": secs,
-        "sim_interval_s": opts.interval_s,
-        "rss_mib_per_node": round3(rss_mib),
-        "connections_per_node": round3(connections),
-        "connections_per_node_max": connections_max,
-        "connection_samples": samples,
-        "bootstrap_dials_per_node": round3(dials),
-        "start_all_announced_s": round3(announced_s.max(start_s)),
-        "findable_after_start_s": round3(percentile(&findable, 1.0)),
-        "findable_after_start_s_each": findable.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
-        "churn_per_minute": 0.05,
-        "churn_restarts": total,
-        "lookup_askers": askers,
-        "churn_s": opts.churn_s,
-        "churn_lookup_ms_p50": round3(percentile(&churn_found, 0.5)),
-        "churn_lookup_ms_p99": round3(percentile(&churn_found, 0.99)),
-        "churn_lookups_not_found": churn_missed,
-        "churn_lookups": churn_found.len() as f64 + churn_missed,
-    });
+    let mut out = with(
+        settings_json(opts, n),
+        json!({
+            "nodes": n,
+            "digests_per_node": opts.digests,
+            "shared_fraction": opts.shared,
+            "latency_ms_per_hop": opts.latency_ms,
+            "worker_processes": workers_n,
+            "lookup_gap_ms": LOOKUP_GAP.as_millis() as u64,
+            "lookup_ms_p50": round3(percentile(&found_ms, 0.5)),
+            "lookup_ms_p99": round3(percentile(&found_ms, 0.99)),
+            "lookups": found_ms.len() as f64 + missed,
+            "lookups_not_found": missed,
+            "notfound_ms_p50": round3(percentile(&absent_ms, 0.5)),
+            "notfound_ms_p99": round3(percentile(&absent_ms, 0.99)),
+            "announce_msgs_per_node_per_s": round3(msgs_default),
+            "announce_msgs_per_node_per_round": round3(per_round),
+            "keys_rested_per_node_per_round": round3(rested_per_round),
+            "announce_bytes_per_node_per_round": bytes_per_round.round(),
+            "announce_measured_over": if from_first_round { "first round" } else { "steady window" },
+            "first_round_msgs_per_node": round3(first_round_msgs),
+            "first_round_cpu_s_per_node": round3(first_round_cpu),
+            "cpu_s_per_node_per_round": round3(cpu_per_round),
+            "first_round_bytes_per_node": first_round_bytes.round(),
+            "start_every_ms": every,
+            "early_rounds_per_node": round3(sum(&after, "early_rounds") / n as f64),
+            "steady_window_s": secs,
+            "sim_interval_s": opts.interval_s,
+            "rss_mib_per_node": round3(rss_mib),
+            "connections_per_node": round3(connections),
+            "connections_per_node_max": connections_max,
+            "connection_samples": samples,
+            "bootstrap_dials_per_node": round3(dials),
+            "start_all_announced_s": round3(announced_s.max(start_s)),
+            "findable_after_start_s": round3(percentile(&findable, 1.0)),
+            "findable_after_start_s_each": findable.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+            "churn_per_minute": 0.05,
+            "churn_restarts": total,
+            "lookup_askers": askers,
+            "churn_s": opts.churn_s,
+            "churn_lookup_ms_p50": round3(percentile(&churn_found, 0.5)),
+            "churn_lookup_ms_p99": round3(percentile(&churn_found, 0.99)),
+            "churn_lookups_not_found": churn_missed,
+            "churn_lookups": churn_found.len() as f64 + churn_missed,
+        }),
+    );
     // Beside the macro: one more field there passes its recursion limit.
     out["missed_owners"] = json!(missed_owners);
     out["missed_found_again"] = json!(missed_found_again);
@@ -1062,7 +1110,7 @@ fn table(report: &Value) -> String {
     for r in report["runs"].as_array().cloned().unwrap_or_default() {
         if let Some(mib) = r["did_not_fit_mib"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | {} | did not fit: {mib:.0} MiB before the start was over |||||||||\n",
+                "| {} | {} | {} | did not fit: {mib:.0} MiB before the start was over ||||||||||\n",
                 r["nodes"],
                 r["digests_per_node"],
                 settings(&r)
@@ -1071,7 +1119,7 @@ fn table(report: &Value) -> String {
         }
         if let Some(s) = r["did_not_settle_s"].as_f64() {
             out.push_str(&format!(
-                "| {} | {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores |||||||||\n",
+                "| {} | {} | {} | did not settle: announcements not done after {s:.0} s on 2 cores ||||||||||\n",
                 r["nodes"], r["digests_per_node"], settings(&r)
             ));
             continue;

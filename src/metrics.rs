@@ -290,7 +290,7 @@ impl Metrics {
         );
         registry.register(
             "peers_anchored",
-            "Connections kept open past their idle timeout by an anchor stream (outgoing: held by this node, incoming: by others)",
+            "Connections kept open past their idle timeout by an anchor stream (outgoing: held by this node, or asked for a moment ago; incoming: held by others)",
             peers_anchored.clone(),
         );
         registry.register(

@@ -654,7 +654,8 @@ impl NodeProcess {
         let id = out
             .lines()
             .map_while(Result::ok)
-            .find_map(|l| l.strip_prefix("node started ")?.parse().ok())
+            // (libtest may print the test's name on the same line first.)
+            .find_map(|l| l.split_once("node started ")?.1.trim().parse().ok())
             .expect("the node process did not start");
         NodeProcess { child, id }
     }

@@ -237,6 +237,11 @@ impl EventLoop {
     /// pull that could not wait for the walk: the XOR-closest, as a walk picks, so a node
     /// whose walk was slow names the node the others' walks named whenever it knows it.
     fn nearest_known(&mut self, key: String, reply: mpsc::Sender<Peer>) {
+        // The walk may have ended since the caller gave up on it.
+        if let Some(found) = self.closest.coordinator(&key, Instant::now()) {
+            self.send_coordinator(found, reply);
+            return;
+        }
         let mut known: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
         for bucket in self.swarm.behaviour_mut().kad.kbuckets() {
             known.extend(bucket.iter().map(|e| *e.node.key.preimage()));

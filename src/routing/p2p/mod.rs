@@ -58,7 +58,10 @@ pub const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// pull, before the claim (`coalesce::CLAIM_TIMEOUT`): a walk slower than this falls back to
 /// the closest of the nodes known (routing table and connections; its HTTP address, if
 /// identify has not given it yet, waited for as long again), which in a large network may not
-/// be the walk's pick and at worst costs a second upstream fetch.
+/// be the walk's pick and at worst costs a second upstream fetch. A node in the routing table
+/// may be dead (the very node that slows the walk): its claim then runs out
+/// (`coalesce::CLAIM_TIMEOUT`) and the pull goes upstream; no answer at all falls back to
+/// rendezvous hashing (`coalesce`).
 const COORDINATOR_WAIT: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone)]
