@@ -305,6 +305,22 @@ fn delayed_transport(
     )
 }
 
+impl P2pRouter {
+    /// Sends the command `make` builds around a reply channel, and waits for the peer it
+    /// answers with up to [`COORDINATOR_WAIT`]: `Err` when the wait ran out, `Ok(None)` when
+    /// no answer can come (the event loop is gone, or dropped the reply).
+    async fn ask_for_peer(
+        &self,
+        make: impl FnOnce(mpsc::Sender<Peer>) -> Command,
+    ) -> Result<Option<Peer>, tokio::time::error::Elapsed> {
+        let (reply, mut rx) = mpsc::channel(1);
+        if self.commands.send(make(reply)).await.is_err() {
+            return Ok(None);
+        }
+        tokio::time::timeout(COORDINATOR_WAIT, rx.recv()).await
+    }
+}
+
 #[async_trait::async_trait]
 impl Router for P2pRouter {
     fn ready(&self) -> bool {
@@ -355,15 +371,12 @@ impl Router for P2pRouter {
     }
 
     async fn coordinator(&self, key: &str) -> Option<Peer> {
-        let (reply, mut rx) = mpsc::channel(1);
-        self.commands
-            .send(Command::Coordinator {
-                key: key.to_string(),
-                reply,
-            })
-            .await
-            .ok()?;
-        if let Ok(found) = tokio::time::timeout(COORDINATOR_WAIT, rx.recv()).await {
+        let key = key.to_string();
+        let walked = self.ask_for_peer(|reply| Command::Coordinator {
+            key: key.clone(),
+            reply,
+        });
+        if let Ok(found) = walked.await {
             return found;
         }
         // The walk is slow (a busy node): pick by the same rule among the nodes known now,
@@ -375,15 +388,7 @@ impl Router for P2pRouter {
             waited_ms = COORDINATOR_WAIT.as_millis() as u64,
             "the DHT walk for a coordinator is slow; picking the closest node known"
         );
-        let (reply, mut rx) = mpsc::channel(1);
-        self.commands
-            .send(Command::NearestKnown {
-                key: key.to_string(),
-                reply,
-            })
-            .await
-            .ok()?;
-        tokio::time::timeout(COORDINATOR_WAIT, rx.recv())
+        self.ask_for_peer(|reply| Command::NearestKnown { key, reply })
             .await
             .ok()
             .flatten()
