@@ -20,7 +20,7 @@
 //!
 //! `cargo bench --bench scale -- [--nodes 100,300,1000] [--digests 10000] [--shared 0.8]
 //! [--latency-ms 0.25] [--interval-s 120] [--per-worker 50] [--churn-s 120]
-//! [--start-every-ms 0] [--window-s 240] [--out DIR] [--replot] [--table]`; `--table` runs
+//! [--start-every-ms 0] [--window-s 240] [--idle-s 60] [--out DIR] [--replot] [--table]`; `--table` runs
 //! every row of `<out>/scale.json` again, each with the settings it was measured with. `--start-every-ms` starts the
 //! nodes one after another, one every that many milliseconds, instead of all at once; a `--window-s` shorter than
 //! the interval holds no full round, and the announce traffic is then the first round's. Needs root (a network namespace), except `--replot`. `./scripts/scale.sh`.
@@ -81,6 +81,8 @@ struct Options {
     start_every_ms: u64,
     /// The steady-state window; two intervals unless given.
     window_s: Option<u64>,
+    /// Connections without a stream close after this long (Ferry's 60 s unless given).
+    idle_s: u64,
     out: PathBuf,
     replot: bool,
     /// Run every row of the report again, each with its own settings.
@@ -98,6 +100,7 @@ fn options(args: &[String]) -> Options {
         churn_s: 120,
         start_every_ms: 0,
         window_s: None,
+        idle_s: IDLE_CONNECTION_TIMEOUT.as_secs(),
         out: PathBuf::from("benches/results"),
         replot: false,
         table: false,
@@ -115,6 +118,7 @@ fn options(args: &[String]) -> Options {
             "--churn-s" => o.churn_s = v().parse().unwrap(),
             "--start-every-ms" => o.start_every_ms = v().parse().unwrap(),
             "--window-s" => o.window_s = Some(v().parse().unwrap()),
+            "--idle-s" => o.idle_s = v().parse().unwrap(),
             "--out" => o.out = PathBuf::from(v()),
             "--replot" => o.replot = true,
             "--table" => o.table = true,
@@ -214,6 +218,7 @@ fn as_measured(row: &Value, base: &Options) -> (Options, usize) {
     o.churn_s = row["churn_s"].as_u64().unwrap_or(o.churn_s);
     o.start_every_ms = row["start_every_ms"].as_u64().unwrap_or(0);
     o.window_s = number("steady_window_s").map(|w| w.round() as u64);
+    o.idle_s = row["idle_timeout_s"].as_u64().unwrap_or(o.idle_s);
     // Recorded since `--table`; before, recovered from the worker count (the same count).
     if let Some(per) = row["per_worker"].as_u64() {
         o.per_worker = per as usize;
@@ -225,13 +230,16 @@ fn as_measured(row: &Value, base: &Options) -> (Options, usize) {
 
 /// What makes a row: a run replaces only the one measured with the same settings (a run at
 /// the 120 s interval that saturates this machine must not replace one at the real interval).
-fn setup(run: &Value) -> (Option<u64>, Option<u64>, String, Option<u64>, u64) {
+fn setup(run: &Value) -> (Option<u64>, Option<u64>, String, Option<u64>, u64, u64) {
     (
         run["nodes"].as_u64(),
         run["digests_per_node"].as_u64(),
         mode(run).to_string(),
         run["sim_interval_s"].as_u64(),
         run["start_every_ms"].as_u64().unwrap_or(0),
+        run["idle_timeout_s"]
+            .as_u64()
+            .unwrap_or(IDLE_CONNECTION_TIMEOUT.as_secs()),
     )
 }
 
@@ -242,9 +250,15 @@ fn settings(run: &Value) -> String {
         0 => "all at once".to_string(),
         ms => format!("one per {ms} ms"),
     };
-    match run["sim_interval_s"].as_u64() {
+    let rounds = match run["sim_interval_s"].as_u64() {
         Some(s) => format!("{start}, rounds every {s} s"),
         None => start,
+    };
+    match run["idle_timeout_s"].as_u64() {
+        Some(idle) if idle != IDLE_CONNECTION_TIMEOUT.as_secs() => {
+            format!("{rounds}, idle connections kept {idle} s")
+        }
+        _ => rounds,
     }
 }
 
@@ -385,6 +399,7 @@ fn settings_json(opts: &Options, n: usize) -> Value {
         "sim_interval_s": opts.interval_s,
         "steady_window_s": window,
         "churn_s": opts.churn_s,
+        "idle_timeout_s": opts.idle_s,
         "announce_measured_over": if window < opts.interval_s { "first round" } else { "steady window" },
     })
 }
@@ -421,6 +436,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
                 .args([opts.shared.to_string(), opts.interval_s.to_string()])
                 .arg(opts.latency_ms.to_string())
                 .arg(logs.join(format!("w{w}")))
+                .arg(opts.idle_s.to_string())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(std::fs::File::create(logs.join(format!("w{w}.log"))).unwrap())
@@ -561,6 +577,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let askers = n.div_ceil(50).min(workers_n);
     let asks = |w: usize| askers == workers_n || (0..askers).any(|k| k * workers_n / askers == w);
     let (found_total, absent_total) = (400usize, 100usize);
+    let walks_before = all(&mut workers, |_| json!({ "cmd": "stats" }));
     let looked = all(&mut workers, |w| {
         let share = |total: usize| if asks(w) { total.div_ceil(askers) } else { 0 };
         json!({ "cmd": "lookups", "found": share(found_total), "absent": share(absent_total) })
@@ -571,6 +588,31 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let mut missed_owners = concat(&looked, "missed_owners");
     missed_owners.sort_by(f64::total_cmp);
     let missed_found_again = sum(&looked, "missed_found_again");
+    // What the walks cost: nodes asked and connections dialled per walk, by outcome (where a
+    // lookup's time goes: a round trip per five nodes asked, a handshake per dial).
+    let walks_after = all(&mut workers, |_| json!({ "cmd": "stats" }));
+    let per_walk = |field: &str, outcome: &str| {
+        let delta = |f: &str| sum(&walks_after, f) - sum(&walks_before, f);
+        round3(delta(&format!("{field}_{outcome}")) / delta(&format!("walks_{outcome}")))
+    };
+    // The CPU of every process (both ends of each request, the delay lines, the harness)
+    // over the lookups, per node asked: what the walks cost this machine's 2 cores.
+    let asked = ["found", "none"]
+        .iter()
+        .map(|o| {
+            sum(&walks_after, &format!("walk_requests_{o}"))
+                - sum(&walks_before, &format!("walk_requests_{o}"))
+        })
+        .sum::<f64>();
+    let cpu_per_request_ms =
+        (sum(&walks_after, "cpu_s") - sum(&walks_before, "cpu_s")) * 1000.0 / asked;
+    let walk_costs = json!({
+        "lookup_cpu_ms_per_request": round3(cpu_per_request_ms),
+        "found_walk_requests": per_walk("walk_requests", "found"),
+        "found_walk_dials": per_walk("walk_dials", "found"),
+        "notfound_walk_requests": per_walk("walk_requests", "none"),
+        "notfound_walk_dials": per_walk("walk_dials", "none"),
+    });
 
     // A restarted node: until every sampled key of its own is found from other nodes.
     let restarts = workers_n.min(5);
@@ -594,9 +636,11 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let churn_found = concat(&churned, "found_ms");
     let churn_missed = sum(&churned, "missed");
     let _ = all(&mut workers, |_| json!({ "cmd": "quit" }));
-    let _ = std::fs::remove_dir_all(&logs);
+    if std::env::var_os("FERRY_SCALE_LOG").is_none() {
+        let _ = std::fs::remove_dir_all(&logs);
+    }
 
-    let mut out = with(
+    let out = with(
         settings_json(opts, n),
         json!({
             "nodes": n,
@@ -643,6 +687,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         }),
     );
     // Beside the macro: one more field there passes its recursion limit.
+    let mut out = with(out, walk_costs);
     out["missed_owners"] = json!(missed_owners);
     out["missed_found_again"] = json!(missed_found_again);
     // Walks that timed out place their keys on the nodes they reached: which nodes had any,
@@ -691,9 +736,18 @@ struct Shape {
     timing: ProvideTiming,
     latency: Option<Duration>,
     dir: PathBuf,
+    idle: Duration,
 }
 
 fn worker(args: &[String]) {
+    // `FERRY_SCALE_LOG=<filter>`: the nodes' log lines, into the worker's log (kept then).
+    if let Ok(filter) = std::env::var("FERRY_SCALE_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .init();
+    }
     let num = |i: usize| args[i].parse::<usize>().unwrap();
     let (lo, hi) = (num(0), num(1));
     let interval = Duration::from_secs(args[5].parse().unwrap());
@@ -711,6 +765,7 @@ fn worker(args: &[String]) {
         ))
         .filter(|d| !d.is_zero()),
         dir: PathBuf::from(&args[7]),
+        idle: Duration::from_secs(args[8].parse().unwrap()),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -739,7 +794,7 @@ fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode 
         psk: None,
         simulated_latency: shape.latency,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
-        idle_timeout: IDLE_CONNECTION_TIMEOUT,
+        idle_timeout: shape.idle,
     };
     let (router, task) = P2pRouter::start(
         config,
@@ -845,8 +900,21 @@ fn stats(nodes: &Nodes) -> Value {
     let outcome = |family: &Family<OutcomeLabels, Counter>, outcome| {
         family.get_or_create(&OutcomeLabels { outcome }).get()
     };
+    // Provider walks (lookups) by outcome: how many, the nodes they asked, the dials.
+    let mut walks: HashMap<String, u64> = HashMap::new();
     for (i, n) in nodes.iter() {
         let m = &n.metrics;
+        for outcome in ferry::metrics::PROVIDER_WALK_OUTCOMES {
+            let labels = OutcomeLabels { outcome };
+            for (field, family) in [
+                ("walks", &m.provider_walks),
+                ("walk_requests", &m.provider_walk_requests),
+                ("walk_dials", &m.provider_walk_dials),
+            ] {
+                *walks.entry(format!("{field}_{outcome}")).or_default() +=
+                    family.get_or_create(&labels).get();
+            }
+        }
         let node_timed_out = outcome(&m.announce_walks, "timed_out");
         if node_timed_out > 0 {
             timed_out.push((*i, node_timed_out));
@@ -871,24 +939,27 @@ fn stats(nodes: &Nodes) -> Value {
         connections_max = connections_max.max(c);
         alone += usize::from(c == 0);
     }
-    json!({
-        "pending": pending,
-        "dht_requests": requests,
-        "connections": connections,
-        "connections_max": connections_max,
-        "alone": alone,
-        "rested": rested,
-        "early_rounds": early,
-        "bootstrap_dials": dials,
-        "unstarted": UNSTARTED.load(Ordering::SeqCst),
-        "rss_kib": rss_kib(),
-        "cpu_s": cpu_s(),
-        "walks_converged": converged,
-        "walks_timed_out": walks_timed_out,
-        "batches_delivered": delivered,
-        "batches_failed": failed,
-        "timed_out_by_node": timed_out,
-    })
+    with(
+        json!(walks),
+        json!({
+            "pending": pending,
+            "dht_requests": requests,
+            "connections": connections,
+            "connections_max": connections_max,
+            "alone": alone,
+            "rested": rested,
+            "early_rounds": early,
+            "bootstrap_dials": dials,
+            "unstarted": UNSTARTED.load(Ordering::SeqCst),
+            "rss_kib": rss_kib(),
+            "cpu_s": cpu_s(),
+            "walks_converged": converged,
+            "walks_timed_out": walks_timed_out,
+            "batches_delivered": delivered,
+            "batches_failed": failed,
+            "timed_out_by_node": timed_out,
+        }),
+    )
 }
 
 /// CPU time this worker process has used (user and system, all its threads), in seconds.

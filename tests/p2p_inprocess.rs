@@ -453,6 +453,34 @@ async fn idle_connections_close_yet_every_node_keeps_a_few_peers_and_finds_every
             .await;
         }
     }
+    // What a lookup costs (`ferry_provider_walk_*`): once the lookups' own connections have
+    // closed again, a key nobody has is asked of every other node (a network smaller than
+    // the 20 a walk asks for), and the nodes no longer connected are dialled.
+    tokio::time::sleep(IDLE * 2).await;
+    let asker = &nodes[0];
+    let none = OutcomeLabels { outcome: "none" };
+    let counted = |m: &Metrics| {
+        (
+            m.provider_walks.get_or_create(&none).get(),
+            m.provider_walk_requests.get_or_create(&none).get(),
+            m.provider_walk_dials.get_or_create(&none).get(),
+        )
+    };
+    let before = counted(&asker.metrics);
+    assert!(providers(&asker.router, &key_of(N)).await.is_empty());
+    eventually("the miss's walk is counted", || {
+        let after = counted(&asker.metrics);
+        async move { after.0 == before.0 + 1 }
+    })
+    .await;
+    let after = counted(&asker.metrics);
+    let (asked, dialled) = (after.1 - before.1, after.2 - before.2);
+    eprintln!("a miss asked {asked} nodes and dialled {dialled}");
+    assert_eq!(asked, N as u64 - 1, "a miss asks every other node here");
+    assert!(
+        (1..N as u64).contains(&dialled),
+        "the nodes no longer connected are dialled, the anchors are not ({dialled})"
+    );
     for n in nodes {
         stop(n).await;
     }

@@ -21,7 +21,7 @@ use super::closest::{Closest, Coordinator};
 use super::dials::BootstrapDials;
 use super::peer_addrs::PeerAddrs;
 use super::{Command, Status};
-use crate::metrics::{DhtLabels, DirectionLabels, Metrics};
+use crate::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
 use crate::problems::Problems;
 use crate::routing::Peer;
 use crate::routing::bootstrap::Bootstrap;
@@ -63,6 +63,11 @@ pub(crate) struct EventLoop {
     http_addrs: PeerAddrs,
     /// Open provider lookups, with the providers already sent.
     lookups: HashMap<QueryId, (mpsc::Sender<Peer>, HashSet<PeerId>)>,
+    /// Connections this node has dialled since it started: a walk's share of them (the
+    /// handshakes it waited for) is in its log line.
+    dialled: u64,
+    /// `dialled` when each lookup's walk started, and whether it found a provider.
+    lookup_dials: HashMap<QueryId, (u64, bool)>,
     /// Providers found before we knew their HTTP address: delivered once identify arrives,
     /// dropped (ending those lookups' streams) when the dial fails or the peer goes away.
     awaiting_identify: HashMap<PeerId, Vec<mpsc::Sender<Peer>>>,
@@ -100,6 +105,8 @@ impl EventLoop {
             local,
             http_addrs: PeerAddrs::new(timing.ttl),
             lookups: HashMap::new(),
+            dialled: 0,
+            lookup_dials: HashMap::new(),
             awaiting_identify: HashMap::new(),
             coordinator_waiting: HashMap::new(),
             coordinator_walks: HashSet::new(),
@@ -337,6 +344,7 @@ impl EventLoop {
                     .get_providers(key.as_bytes().to_vec().into());
                 self.closest.walking(id, key);
                 self.lookups.insert(id, (reply, HashSet::new()));
+                self.lookup_dials.insert(id, (self.dialled, false));
             }
             Command::Coordinator { key, reply } => self.coordinator(key, reply),
             Command::NearestKnown { key, reply } => self.nearest_known(key, reply),
@@ -380,6 +388,7 @@ impl EventLoop {
                     .entry(peer_id)
                     .or_insert_with(std::time::SystemTime::now);
                 if endpoint.is_dialer() {
+                    self.dialled += 1;
                     // A bootstrap dial: Kademlia learns the address it worked at.
                     let addr = endpoint.get_remote_address().clone();
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
@@ -450,10 +459,13 @@ impl EventLoop {
                 id,
                 result: QueryResult::GetProviders(result),
                 step,
-                ..
+                stats,
             } => {
                 match result {
                     Ok(GetProvidersOk::FoundProviders { providers, .. }) => {
+                        if let Some((_, found)) = self.lookup_dials.get_mut(&id) {
+                            *found |= !providers.is_empty();
+                        }
                         for provider in providers {
                             self.deliver(id, provider);
                         }
@@ -475,6 +487,7 @@ impl EventLoop {
                     }
                 }
                 if step.last {
+                    self.lookup_ended(id, &stats);
                     if let Some(key) = self.closest.walked(&id, None, Instant::now()) {
                         self.walk_ended(key, None);
                     }
@@ -596,6 +609,38 @@ impl EventLoop {
                 .get_or_create(&DirectionLabels { direction })
                 .set(n as i64);
         }
+    }
+
+    /// A provider walk ended: what it cost (`ferry_provider_walk_*`), for finding where a
+    /// lookup's time goes; its own log line at debug level (the scale simulation's
+    /// `FERRY_SCALE_LOG=ferry::routing::p2p::event_loop=debug`).
+    fn lookup_ended(&mut self, id: QueryId, stats: &kad::QueryStats) {
+        let (dials_at, found) = self
+            .lookup_dials
+            .remove(&id)
+            .unwrap_or((self.dialled, false));
+        let dialled = self.dialled - dials_at;
+        let labels = OutcomeLabels {
+            outcome: if found { "found" } else { "none" },
+        };
+        self.metrics.provider_walks.get_or_create(&labels).inc();
+        self.metrics
+            .provider_walk_requests
+            .get_or_create(&labels)
+            .inc_by(u64::from(stats.num_requests()));
+        self.metrics
+            .provider_walk_dials
+            .get_or_create(&labels)
+            .inc_by(dialled);
+        tracing::debug!(
+            requests = stats.num_requests(),
+            answered = stats.num_successes(),
+            failed = stats.num_failures(),
+            dialled,
+            found,
+            ms = stats.duration().map_or(0.0, |d| d.as_secs_f64() * 1000.0),
+            "provider walk ended"
+        );
     }
 
     fn update_connected(&self) {
