@@ -61,6 +61,9 @@ const HTTP_BASE: u16 = 40_000;
 const DEFAULT_INTERVAL_S: f64 = 600.0;
 /// Between two lookups of one worker process (about 50 lookups a second per process).
 const LOOKUP_GAP: Duration = Duration::from_millis(20);
+/// Ferry's default `--resolve-timeout`: a pull waits this long for a lookup's first provider,
+/// then goes upstream. Lookups of present keys slower than this are counted.
+const RESOLVE_TIMEOUT_MS: f64 = 20.0;
 /// How often connections are counted during the steady-state window.
 const CONNECTION_SAMPLE: Duration = Duration::from_secs(10);
 /// The simulation stops when its processes hold more than this (the machine has 24 GiB).
@@ -606,7 +609,12 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         .sum::<f64>();
     let cpu_per_request_ms =
         (sum(&walks_after, "cpu_s") - sum(&walks_before, "cpu_s")) * 1000.0 / asked;
+    let slow_hits = found_ms
+        .iter()
+        .filter(|ms| **ms > RESOLVE_TIMEOUT_MS)
+        .count();
     let walk_costs = json!({
+        "lookups_over_resolve_timeout": slow_hits,
         "lookup_cpu_ms_per_request": round3(cpu_per_request_ms),
         "found_walk_requests": per_walk("walk_requests", "found"),
         "found_walk_dials": per_walk("walk_dials", "found"),

@@ -57,7 +57,7 @@ pub fn sources(listener: &str) -> &'static [&'static str] {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
-    /// found, none
+    /// found, none, timed_out
     pub result: &'static str,
 }
 
@@ -271,9 +271,12 @@ impl Metrics {
         );
         registry.register(
             "peer_lookups",
-            "DHT provider lookups by result (found, none)",
+            "DHT provider lookups by result: found, none (the walk ended with nobody), timed_out (nobody within --resolve-timeout while the walk went on: the pull went upstream; a steady rate says the bound is short for this network)",
             peer_lookups.clone(),
         );
+        for result in ["found", "none", "timed_out"] {
+            let _ = peer_lookups.get_or_create(&ResultLabels { result });
+        }
         registry.register(
             "peer_lookup_duration_seconds",
             "Time from a local miss to the first provider found (or giving up)",

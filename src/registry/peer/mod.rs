@@ -458,7 +458,15 @@ async fn lookup(
     // The latency that matters is the time to the first provider: the grace wait for
     // failover candidates below is not part of it.
     let mut took = None;
-    if let Ok(Some(first)) = tokio::time::timeout(resolve_timeout, stream.recv()).await {
+    let first = tokio::time::timeout(resolve_timeout, stream.recv()).await;
+    // A walk still going at the bound is told apart from one that ended with nobody: a pull
+    // sent upstream that a longer `--resolve-timeout` might have served from a peer.
+    let result = match &first {
+        Ok(Some(_)) => "found",
+        Ok(None) => "none",
+        Err(_) => "timed_out",
+    };
+    if let Ok(Some(first)) = first {
         took = Some(started.elapsed());
         found.push(first);
         // Others that arrive right behind the first are failover candidates.
@@ -471,7 +479,6 @@ async fn lookup(
     metrics
         .peer_lookup_duration
         .observe(took.unwrap_or_else(|| started.elapsed()).as_secs_f64());
-    let result = if found.is_empty() { "none" } else { "found" };
     metrics
         .peer_lookups
         .get_or_create(&ResultLabels { result })
@@ -594,5 +601,40 @@ mod tests {
         tokio::time::sleep(NOT_FOUND_TTL).await;
         fetcher.blob(req, digest).await;
         assert_eq!(router.lookups.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_lookup_still_walking_at_the_resolve_timeout_is_counted_apart_from_a_miss() {
+        // The router's walk ends after 50 ms with nobody: within a 1 s bound that is a miss,
+        // past a 10 ms bound the pull went upstream while the walk was still going.
+        for (bound, counted) in [
+            (Duration::from_secs(1), "none"),
+            (Duration::from_millis(10), "timed_out"),
+        ] {
+            let metrics = Arc::new(Metrics::new());
+            let fetcher = PeerFetcher::new(
+                Arc::new(SlowRouter::default()),
+                PeerFetchConfig::with_resolve_timeout(bound),
+                None,
+                metrics.clone(),
+                Arc::new(MemoryStore::new()),
+            )
+            .expect("client");
+            let req = PeerRequest {
+                name: "team/app",
+                ns: Some("registry.test"),
+                head: false,
+                range: None,
+            };
+            let digest = Digest::sha256_of(b"a layer nobody has");
+            assert!(fetcher.blob(req, digest).await.is_none());
+            for result in ["found", "none", "timed_out"] {
+                let n = metrics
+                    .peer_lookups
+                    .get_or_create(&ResultLabels { result })
+                    .get();
+                assert_eq!(n, u64::from(result == counted), "{result}, bound {bound:?}");
+            }
+        }
     }
 }

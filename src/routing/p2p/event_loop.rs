@@ -63,8 +63,8 @@ pub(crate) struct EventLoop {
     http_addrs: PeerAddrs,
     /// Open provider lookups, with the providers already sent.
     lookups: HashMap<QueryId, (mpsc::Sender<Peer>, HashSet<PeerId>)>,
-    /// Connections this node has dialled since it started: a walk's share of them (the
-    /// handshakes it waited for) is in its log line.
+    /// Connections this node has dialled since it started: those dialled while a lookup's
+    /// walk ran (the handshakes it waited for, and any other dial then) are counted for it.
     dialled: u64,
     /// `dialled` when each lookup's walk started, and whether it found a provider.
     lookup_dials: HashMap<QueryId, (u64, bool)>,
