@@ -6,13 +6,17 @@ grpcio-tools into a scratch directory.
 Usage: cri_pull.py <containerd socket> <image reference>
 Prints the image ref containerd returns; exits 1 with the gRPC error when the pull fails.
 """
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cri")
 out = tempfile.mkdtemp(prefix="ferry-cri-")
+# The scratch directory goes when the script ends, whichever way (each run left one behind).
+atexit.register(shutil.rmtree, out, True)
 subprocess.check_call(
     [sys.executable, "-m", "grpc_tools.protoc", f"-I{here}", f"--python_out={out}",
      f"--grpc_python_out={out}", "api.proto"]
