@@ -594,21 +594,14 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     // What the walks cost: nodes asked and connections dialled per walk, by outcome (where a
     // lookup's time goes: a round trip per five nodes asked, a handshake per dial).
     let walks_after = all(&mut workers, |_| json!({ "cmd": "stats" }));
+    let delta = |f: &str| sum(&walks_after, f) - sum(&walks_before, f);
     let per_walk = |field: &str, outcome: &str| {
-        let delta = |f: &str| sum(&walks_after, f) - sum(&walks_before, f);
         round3(delta(&format!("{field}_{outcome}")) / delta(&format!("walks_{outcome}")))
     };
     // The CPU of every process (both ends of each request, the delay lines, the harness)
     // over the lookups, per node asked: what the walks cost this machine's 2 cores.
-    let asked = ["found", "none"]
-        .iter()
-        .map(|o| {
-            sum(&walks_after, &format!("walk_requests_{o}"))
-                - sum(&walks_before, &format!("walk_requests_{o}"))
-        })
-        .sum::<f64>();
-    let cpu_per_request_ms =
-        (sum(&walks_after, "cpu_s") - sum(&walks_before, "cpu_s")) * 1000.0 / asked;
+    let asked = delta("walk_requests_found") + delta("walk_requests_none");
+    let cpu_per_request_ms = delta("cpu_s") * 1000.0 / asked;
     let slow_hits = found_ms
         .iter()
         .filter(|ms| **ms > RESOLVE_TIMEOUT_MS)
