@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics, OutcomeLabels};
 use ferry::problems::Problems;
+use ferry::registry::peer::{DEFAULT_RESOLVE_TIMEOUT_MAX, ResolveBound};
 use ferry::routing::Router;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
@@ -64,6 +65,14 @@ const LOOKUP_GAP: Duration = Duration::from_millis(20);
 /// Ferry's default `--resolve-timeout`: a pull waits this long for a lookup's first provider,
 /// then goes upstream. Lookups of present keys slower than this are counted.
 const RESOLVE_TIMEOUT_MS: f64 = 20.0;
+/// The wait as a node adapts it (`ResolveBound`, between `--resolve-timeout` and
+/// `--resolve-timeout-max`): each asking worker keeps one, fed with its lookups in order.
+fn resolve_bound() -> ResolveBound {
+    ResolveBound::new(
+        Duration::from_secs_f64(RESOLVE_TIMEOUT_MS / 1000.0),
+        DEFAULT_RESOLVE_TIMEOUT_MAX,
+    )
+}
 /// How often connections are counted during the steady-state window.
 const CONNECTION_SAMPLE: Duration = Duration::from_secs(10);
 /// The simulation stops when its processes hold more than this (the machine has 24 GiB).
@@ -606,8 +615,24 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         .iter()
         .filter(|ms| **ms > RESOLVE_TIMEOUT_MS)
         .count();
+    // The adaptive wait, per asking worker: the lookups it cut, where it ended, and what a
+    // miss cost a pull with it and with the fixed 20 ms.
+    let askers_looked: Vec<Value> = looked
+        .iter()
+        .filter(|l| l["found_ms"].as_array().is_some_and(|a| !a.is_empty()))
+        .cloned()
+        .collect();
+    let absent_wait = concat(&looked, "absent_wait_ms");
+    let absent_fixed: Vec<f64> = absent_ms
+        .iter()
+        .map(|ms| ms.min(RESOLVE_TIMEOUT_MS))
+        .collect();
     let walk_costs = json!({
         "lookups_over_resolve_timeout": slow_hits,
+        "lookups_over_adaptive_wait": sum(&looked, "over_wait"),
+        "adaptive_wait_ms": round3(sum(&askers_looked, "wait_ms") / askers_looked.len().max(1) as f64),
+        "notfound_wait_ms_mean_fixed": round3(absent_fixed.iter().sum::<f64>() / absent_fixed.len().max(1) as f64),
+        "notfound_wait_ms_mean_adaptive": round3(absent_wait.iter().sum::<f64>() / absent_wait.len().max(1) as f64),
         "lookup_cpu_ms_per_request": round3(cpu_per_request_ms),
         "found_walk_requests": per_walk("walk_requests", "found"),
         "found_walk_dials": per_walk("walk_dials", "found"),
@@ -1038,6 +1063,11 @@ async fn lookup_owned(nodes: &Nodes, shape: &Shape) -> Option<(usize, String, Op
 
 async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> Value {
     let (mut found_ms, mut absent_ms, mut missed) = (Vec::new(), Vec::new(), 0);
+    // What a pull would have waited with Ferry's adaptive wait: lookups of present keys it
+    // cut, and what each miss cost (the walk, or the wait if shorter).
+    let bound = resolve_bound();
+    let (mut over_wait, mut absent_wait_ms) = (0, Vec::new());
+    let wait_ms = |b: &ResolveBound| b.current().as_secs_f64() * 1000.0;
     // Each missed key: its owner (start order: the early nodes are the ones a growing
     // network strands) and whether a second lookup from another node 2 s later found it (a
     // miss of that walk, not of where the records are).
@@ -1046,7 +1076,11 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
         // One lookup at a time, 20 ms apart: the latency of a lookup, not of a queue of them.
         tokio::time::sleep(LOOKUP_GAP).await;
         match lookup_owned(nodes, shape).await {
-            Some((_, _, Some(ms))) => found_ms.push(ms),
+            Some((_, _, Some(ms))) => {
+                over_wait += usize::from(ms > wait_ms(&bound));
+                bound.found_after(Duration::from_secs_f64(ms / 1000.0));
+                found_ms.push(ms);
+            }
             Some((owner, key, None)) => {
                 missed += 1;
                 missed_owners.push(owner);
@@ -1069,10 +1103,13 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
             u64::MAX - 1,
             rand_below(1 << 30) + k
         );
-        absent_ms.push(lookup(&router, &key).await.1);
+        let ms = lookup(&router, &key).await.1;
+        absent_wait_ms.push(ms.min(wait_ms(&bound)));
+        absent_ms.push(ms);
     }
     json!({ "found_ms": found_ms, "absent_ms": absent_ms, "missed": missed,
-            "missed_owners": missed_owners, "missed_found_again": found_again })
+            "missed_owners": missed_owners, "missed_found_again": found_again,
+            "over_wait": over_wait, "wait_ms": wait_ms(&bound), "absent_wait_ms": absent_wait_ms })
 }
 
 async fn stop(node: SimNode) {

@@ -244,6 +244,7 @@ impl PeerSetup {
                 || config.kubernetes.bootstrap_selector.is_some(),
             fetch: PeerFetchConfig {
                 resolve_timeout: settings.resolve_timeout,
+                resolve_timeout_max: settings.resolve_timeout_max,
                 connect_timeout: settings.peer_connect_timeout,
                 first_byte_timeout: settings.peer_first_byte_timeout,
                 idle_timeout: settings.peer_idle_timeout,

@@ -144,6 +144,15 @@ pub struct Flags {
     /// How long a provider lookup may take before a miss goes upstream [default: 20ms]
     #[arg(long, global = true, env = "FERRY_RESOLVE_TIMEOUT", value_name = "DUR")]
     pub resolve_timeout: Option<String>,
+    /// The longest a pull waits for a provider lookup, on a node whose recent lookups of
+    /// present keys were slower than --resolve-timeout [default: 100ms]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_RESOLVE_TIMEOUT_MAX",
+        value_name = "DUR"
+    )]
+    pub resolve_timeout_max: Option<String>,
     /// When tags are resolved through peers: never, when-upstream-fails, always
     /// [default: when-upstream-fails]
     #[arg(long, global = true, env = "FERRY_RESOLVE_TAGS", value_name = "WHEN")]
@@ -287,6 +296,7 @@ impl Flags {
             ("bootstrap-dns", &self.bootstrap_dns),
             ("bootstrap-dials", &self.bootstrap_dials),
             ("resolve-timeout", &self.resolve_timeout),
+            ("resolve-timeout-max", &self.resolve_timeout_max),
             ("resolve-tags", &self.resolve_tags),
             ("coalesce", &self.coalesce),
             ("follow-timeout", &self.follow_timeout),

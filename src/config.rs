@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 38] = [
+pub const KEYS: [(&str, &str); 39] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -34,6 +34,7 @@ pub const KEYS: [(&str, &str); 38] = [
     ("bootstrap-dns", ""),
     ("bootstrap-dials", "3"),
     ("resolve-timeout", "20ms"),
+    ("resolve-timeout-max", "100ms"),
     ("resolve-tags", "when-upstream-fails"),
     ("coalesce", "true"),
     ("follow-timeout", "3s"),
@@ -113,6 +114,8 @@ pub struct P2pSettings {
     /// Bootstrap addresses dialled at once; Kademlia finds the rest of the network.
     pub bootstrap_dials: usize,
     pub resolve_timeout: Duration,
+    /// The longest a pull waits for a lookup where this node's lookups are slow.
+    pub resolve_timeout_max: Duration,
     pub resolve_tags: ResolveTags,
     /// `Some(follow timeout)` when simultaneous misses are coordinated (`coalesce`).
     pub coalesce: Option<Duration>,
@@ -337,6 +340,7 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         bootstrap_dns,
         bootstrap_dials,
         resolve_timeout: duration("resolve-timeout", &value("resolve-timeout"))?,
+        resolve_timeout_max: duration("resolve-timeout-max", &value("resolve-timeout-max"))?,
         resolve_tags: resolve_tags(value)?,
         coalesce: boolean("coalesce", &value("coalesce"))?
             .then(|| duration("follow-timeout", &value("follow-timeout")))

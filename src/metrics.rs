@@ -7,6 +7,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -166,6 +167,8 @@ pub struct Metrics {
     pub served: Family<SourceLabels, Counter>,
     pub peer_lookups: Family<ResultLabels, Counter>,
     pub peer_lookup_duration: Histogram,
+    pub peer_lookups_found_late: Counter,
+    pub peer_resolve_wait: Gauge<f64, AtomicU64>,
     pub peer_failures: Family<StageLabels, Counter>,
     pub peer_auth_failures: Family<ReasonLabels, Counter>,
     pub peers_connected: Gauge,
@@ -224,6 +227,8 @@ impl Metrics {
         let served = Family::<SourceLabels, Counter>::default();
         let peer_lookups = Family::<ResultLabels, Counter>::default();
         let peer_lookup_duration = Histogram::new(LOOKUP_BUCKETS);
+        let peer_lookups_found_late = Counter::default();
+        let peer_resolve_wait = Gauge::<f64, AtomicU64>::default();
         let peer_failures = Family::<StageLabels, Counter>::default();
         let peer_auth_failures = Family::<ReasonLabels, Counter>::default();
         let peers_connected = Gauge::default();
@@ -271,7 +276,7 @@ impl Metrics {
         );
         registry.register(
             "peer_lookups",
-            "DHT provider lookups by result: found, none (the walk ended with nobody), timed_out (nobody within --resolve-timeout while the walk went on: the pull went upstream; a steady rate says the bound is short for this network)",
+            "DHT provider lookups by result: found, none (the walk ended with nobody), timed_out (nobody within the wait, peer_resolve_wait_seconds, while the walk went on: the pull went upstream)",
             peer_lookups.clone(),
         );
         for result in ["found", "none", "timed_out"] {
@@ -281,6 +286,16 @@ impl Metrics {
             "peer_lookup_duration_seconds",
             "Time from a local miss to the first provider found (or giving up)",
             peer_lookup_duration.clone(),
+        );
+        registry.register(
+            "peer_lookups_found_late",
+            "Lookups timed out for the pull whose walk found a provider afterwards: blobs sent upstream that a longer wait would have served from a peer (they raise the wait, up to --resolve-timeout-max)",
+            peer_lookups_found_late.clone(),
+        );
+        registry.register(
+            "peer_resolve_wait_seconds",
+            "How long a pull waits now for a lookup's first provider: --resolve-timeout, or longer where this node's recent lookups of present keys were slower (at most --resolve-timeout-max)",
+            peer_resolve_wait.clone(),
         );
         registry.register(
             "peer_failures",
@@ -472,6 +487,8 @@ impl Metrics {
             served,
             peer_lookups,
             peer_lookup_duration,
+            peer_lookups_found_late,
+            peer_resolve_wait,
             peer_failures,
             peer_auth_failures,
             peers_connected,

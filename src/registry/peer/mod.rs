@@ -1,5 +1,6 @@
 //! Fetching from other nodes, in one room: find providers in the DHT (bounded by
-//! `--resolve-timeout`, one lookup per key however many ask at once), then ask their peer
+//! `--resolve-timeout`, or longer where this node's lookups are slower (`bound`), one lookup
+//! per key however many ask at once), then ask their peer
 //! addresses, one after the other, until one answers; or follow a coalescing leader's download.
 //! Blobs stream through and resume on the next provider if a peer fails mid-transfer.
 //!
@@ -8,6 +9,7 @@
 //! a typed `PeerFailure`.
 
 mod body;
+pub mod bound;
 pub mod client;
 pub mod failure;
 mod health;
@@ -33,6 +35,7 @@ use crate::routing::{Peer, Router, digest_key, tag_key};
 use crate::store::ContentStore;
 use crate::trust::ClusterSecret;
 use body::{Fetch, Resume, ResumingBody};
+pub use bound::ResolveBound;
 pub use client::{ClaimAnswer, PeerCall, PeerClient};
 pub use failure::PeerFailure;
 use health::PeerHealth;
@@ -48,6 +51,13 @@ const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
 pub const NOT_FOUND_TTL: Duration = Duration::from_secs(1);
 /// Providers arriving this soon after the first are kept as failover candidates.
 const MORE_PROVIDERS_GRACE: Duration = Duration::from_millis(2);
+/// A walk the pull stopped waiting for is read on this long at most, to learn when its first
+/// provider came (`bound`). A walk ends by itself sooner (libp2p's query timeout, 10 s); this
+/// bounds a router that never closes its stream.
+const READ_ON_LIMIT: Duration = Duration::from_secs(15);
+/// `--resolve-timeout-max`'s default: where this node's lookups of present keys are slow, a
+/// pull waits up to this long for one, so a miss costs up to this much (once per digest).
+pub const DEFAULT_RESOLVE_TIMEOUT_MAX: Duration = Duration::from_millis(100);
 
 /// What the mirror was asked, as it is forwarded to peers.
 #[derive(Debug, Clone, Copy)]
@@ -60,8 +70,10 @@ pub struct PeerRequest<'a> {
 
 #[derive(Debug, Clone, Copy)]
 pub struct PeerFetchConfig {
-    /// How long a lookup may take before the miss goes upstream.
+    /// How long a lookup may take before the miss goes upstream, where lookups are fast.
     pub resolve_timeout: Duration,
+    /// How long at most, where this node's lookups of present keys are slower (`bound`).
+    pub resolve_timeout_max: Duration,
     /// Bound on the TCP connect to a peer.
     pub connect_timeout: Duration,
     /// Bound from sending a request to a peer's response headers.
@@ -80,6 +92,7 @@ impl PeerFetchConfig {
     pub fn with_resolve_timeout(resolve_timeout: Duration) -> Self {
         PeerFetchConfig {
             resolve_timeout,
+            resolve_timeout_max: DEFAULT_RESOLVE_TIMEOUT_MAX,
             connect_timeout: Duration::from_millis(500),
             first_byte_timeout: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(5),
@@ -103,6 +116,8 @@ pub struct PeerFetcher {
     cache: Mutex<HashMap<String, (Instant, Vec<Peer>)>>,
     lookups: Mutex<HashMap<String, SharedLookup>>,
     health: Arc<PeerHealth>,
+    /// How long a lookup is waited for, learnt from the lookups before it.
+    bound: Arc<ResolveBound>,
 }
 
 impl std::fmt::Debug for PeerFetcher {
@@ -128,7 +143,13 @@ impl PeerFetcher {
             secret,
         )?
         .offering_zero_copy(config.zero_copy);
+        let bound = Arc::new(ResolveBound::new(
+            config.resolve_timeout,
+            config.resolve_timeout_max,
+        ));
+        metrics.peer_resolve_wait.set(bound.current().as_secs_f64());
         Ok(PeerFetcher {
+            bound,
             router,
             client,
             config,
@@ -386,9 +407,9 @@ impl PeerFetcher {
     }
 
     /// Providers of `key`: cached if recent (nobody: for [`NOT_FOUND_TTL`]), else from the
-    /// router, waiting at most `resolve_timeout` for the first one. Concurrent requests for the same key (several
-    /// clients of this node's containerd, a Range re-request) share one lookup. Peers that
-    /// failed recently go last.
+    /// router, waiting for the first one at most as long as `bound` says. Concurrent requests
+    /// for the same key (several clients of this node's containerd, a Range re-request) share
+    /// one lookup. Peers that failed recently go last.
     async fn providers(&self, key: &str) -> Vec<Peer> {
         if let Some(peers) = self.cached(key) {
             return peers;
@@ -402,7 +423,7 @@ impl PeerFetcher {
                         self.router.clone(),
                         self.metrics.clone(),
                         key.to_string(),
-                        self.config.resolve_timeout,
+                        self.bound.clone(),
                     )
                     .boxed()
                     .shared()
@@ -450,7 +471,7 @@ async fn lookup(
     router: Arc<dyn Router>,
     metrics: Arc<Metrics>,
     key: String,
-    resolve_timeout: Duration,
+    bound: Arc<ResolveBound>,
 ) -> Vec<Peer> {
     let started = Instant::now();
     let mut stream = router.lookup(&key).await;
@@ -458,23 +479,35 @@ async fn lookup(
     // The latency that matters is the time to the first provider: the grace wait for
     // failover candidates below is not part of it.
     let mut took = None;
-    let first = tokio::time::timeout(resolve_timeout, stream.recv()).await;
+    let first = tokio::time::timeout(bound.current(), stream.recv()).await;
     // A walk still going at the bound is told apart from one that ended with nobody: a pull
-    // sent upstream that a longer `--resolve-timeout` might have served from a peer.
+    // sent upstream that a longer wait might have served from a peer.
     let result = match &first {
         Ok(Some(_)) => "found",
         Ok(None) => "none",
         Err(_) => "timed_out",
     };
-    if let Ok(Some(first)) = first {
-        took = Some(started.elapsed());
-        found.push(first);
-        // Others that arrive right behind the first are failover candidates.
-        while let Ok(Some(more)) = tokio::time::timeout(MORE_PROVIDERS_GRACE, stream.recv()).await {
-            if !found.contains(&more) {
-                found.push(more);
+    match first {
+        Ok(Some(first)) => {
+            let elapsed = started.elapsed();
+            took = Some(elapsed);
+            found_after(&bound, &metrics, elapsed);
+            found.push(first);
+            // Others that arrive right behind the first are failover candidates.
+            while let Ok(Some(more)) =
+                tokio::time::timeout(MORE_PROVIDERS_GRACE, stream.recv()).await
+            {
+                if !found.contains(&more) {
+                    found.push(more);
+                }
             }
         }
+        // The walk goes on anyway (until it ends or finds someone): read on, so the bound
+        // learns what it cut.
+        Err(_) => {
+            tokio::spawn(read_on(stream, started, bound, metrics.clone()));
+        }
+        Ok(None) => {}
     }
     metrics
         .peer_lookup_duration
@@ -484,6 +517,25 @@ async fn lookup(
         .get_or_create(&ResultLabels { result })
         .inc();
     found
+}
+
+/// A walk the pull stopped waiting for: when (if) it finds a provider, that is a lookup the
+/// bound cut. Dropping the stream then ends the walk (`event_loop`).
+async fn read_on(
+    mut stream: crate::routing::PeerStream,
+    started: Instant,
+    bound: Arc<ResolveBound>,
+    metrics: Arc<Metrics>,
+) {
+    if let Ok(Some(_)) = tokio::time::timeout(READ_ON_LIMIT, stream.recv()).await {
+        metrics.peer_lookups_found_late.inc();
+        found_after(&bound, &metrics, started.elapsed());
+    }
+}
+
+fn found_after(bound: &ResolveBound, metrics: &Metrics, took: Duration) {
+    let now = bound.found_after(took);
+    metrics.peer_resolve_wait.set(now.as_secs_f64());
 }
 
 #[async_trait::async_trait]
@@ -528,10 +580,12 @@ mod tests {
     use crate::store::memory::MemoryStore;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    /// A router whose lookups take a while and are counted.
+    /// A router whose lookups take a while and are counted; with `provider`, each finds it
+    /// after that long, else each ends after 50 ms with nobody.
     #[derive(Default)]
     struct SlowRouter {
         lookups: AtomicUsize,
+        provider: Option<Duration>,
     }
 
     #[async_trait::async_trait]
@@ -551,8 +605,16 @@ mod tests {
         async fn lookup(&self, _key: &str) -> PeerStream {
             self.lookups.fetch_add(1, Ordering::SeqCst);
             let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let provider = self.provider;
+            let me = self.local();
             tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                match provider {
+                    Some(after) => {
+                        tokio::time::sleep(after).await;
+                        let _ = tx.send(me).await;
+                    }
+                    None => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
                 drop(tx);
             });
             rx
@@ -636,5 +698,63 @@ mod tests {
                 assert_eq!(n, u64::from(result == counted), "{result}, bound {bound:?}");
             }
         }
+    }
+
+    #[tokio::test]
+    async fn a_node_whose_lookups_are_slower_than_the_bound_learns_to_wait_for_them() {
+        // Every lookup finds its provider after 100 ms, past the 20 ms floor: the first ones
+        // are cut (the pull goes upstream) and read on; once enough of them have come in late,
+        // the wait covers them (100 ms and half again, under the 500 ms ceiling).
+        let after = Duration::from_millis(100);
+        let router = Arc::new(SlowRouter {
+            provider: Some(after),
+            ..SlowRouter::default()
+        });
+        let metrics = Arc::new(Metrics::new());
+        let config = PeerFetchConfig {
+            resolve_timeout_max: Duration::from_millis(500),
+            ..PeerFetchConfig::with_resolve_timeout(Duration::from_millis(20))
+        };
+        let fetcher = PeerFetcher::new(
+            router,
+            config,
+            None,
+            metrics.clone(),
+            Arc::new(MemoryStore::new()),
+        )
+        .expect("client");
+        let count = |result: &'static str| {
+            metrics
+                .peer_lookups
+                .get_or_create(&ResultLabels { result })
+                .get()
+        };
+        assert_eq!(metrics.peer_resolve_wait.get(), 0.02);
+        let mut cut = 0;
+        for i in 0..40u32 {
+            let key = format!("sha256:{i:064x}");
+            let found = fetcher.providers(&key).await;
+            if count("found") > 0 {
+                assert_eq!(found.len(), 1, "a lookup waited for finds its provider");
+                break;
+            }
+            assert!(found.is_empty());
+            cut += 1;
+            // Its walk goes on and finds the provider; the wait learns of it.
+            let late = metrics.peer_lookups_found_late.get();
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while metrics.peer_lookups_found_late.get() == late {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await
+            .expect("the walk cut short is read on to its provider");
+        }
+        assert_eq!(cut, 10, "the floor stands until 10 lookups say otherwise");
+        assert_eq!(count("timed_out"), 10);
+        let wait = metrics.peer_resolve_wait.get();
+        assert!((0.15..0.5).contains(&wait), "waits {wait} s now");
+        // Lookups that are fast again do not keep it up forever: a window of them brings
+        // the floor back (`bound`'s own tests).
     }
 }

@@ -223,8 +223,8 @@ impl EventLoop {
 
     /// The coordinator of `key`, to `reply`: from a walk that ended lately, else when the
     /// walk for the key now running ends (usually the miss's own provider walk: a lookup
-    /// gives up waiting after `--resolve-timeout`, its walk goes on), else from a walk for
-    /// the key's closest nodes started now.
+    /// gives up waiting after its wait, `registry::peer::bound`, and its walk goes on), else
+    /// from a walk for the key's closest nodes started now.
     fn coordinator(&mut self, key: String, reply: mpsc::Sender<Peer>) {
         if let Some(found) = self.closest.coordinator(&key, Instant::now()) {
             self.send_coordinator(found, reply);

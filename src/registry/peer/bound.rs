@@ -1,0 +1,138 @@
+//! How long a pull waits for a lookup's first provider before the miss goes upstream.
+//!
+//! `--resolve-timeout` is the floor: where lookups are fast (a small cluster, connections
+//! open, one zone) a key nobody has costs a pull no more than that. A node whose lookups of
+//! keys other nodes do have take longer (walks that must dial nodes whose connections closed
+//! while idle, round trips across zones) learns it from its own lookups and waits longer, up
+//! to `--resolve-timeout-max`. The trade: a miss then costs up to that bound once per digest
+//! (misses are remembered, `NOT_FOUND_TTL`), where a hit cut short costs the whole blob from
+//! the registry.
+//!
+//! The times come from every lookup that found a provider, also those the pull stopped
+//! waiting for (`super::lookup` keeps reading the walk in the background): without them a
+//! bound too short would never see what it cuts.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Lookups remembered: the last this many first-provider times. Not aged out: a node that
+/// pulled nothing for an hour has had its idle connections closed, and its next rollout's
+/// lookups are the slow ones the old times describe.
+const WINDOW: usize = 100;
+/// Fewer times than this say little: the floor stands.
+const MIN_SAMPLES: usize = 10;
+/// The bound covers this share of recent lookups...
+const PERCENTILE: f64 = 0.95;
+/// ...with this much headroom, for the next lookup to be a little slower than the last ones.
+const HEADROOM: f64 = 1.5;
+
+#[derive(Debug)]
+pub struct ResolveBound {
+    floor: Duration,
+    ceiling: Duration,
+    /// One owner: the recent first-provider times, oldest first, and the bound they give.
+    recent: Mutex<(VecDeque<Duration>, Duration)>,
+}
+
+impl ResolveBound {
+    /// Between `floor` and `ceiling`; a ceiling below the floor is the floor (no adapting).
+    pub fn new(floor: Duration, ceiling: Duration) -> Self {
+        ResolveBound {
+            floor,
+            ceiling: ceiling.max(floor),
+            recent: Mutex::new((VecDeque::with_capacity(WINDOW), floor)),
+        }
+    }
+
+    /// How long a pull waits now.
+    pub fn current(&self) -> Duration {
+        self.recent.lock().unwrap_or_else(|e| e.into_inner()).1
+    }
+
+    /// A lookup found its first provider `took` after it started (whether or not the pull was
+    /// still waiting). Returns the bound from now on.
+    pub fn found_after(&self, took: Duration) -> Duration {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let (times, bound) = &mut *recent;
+        if times.len() == WINDOW {
+            times.pop_front();
+        }
+        times.push_back(took);
+        *bound = self.bound_of(times);
+        *bound
+    }
+
+    fn bound_of(&self, times: &VecDeque<Duration>) -> Duration {
+        if times.len() < MIN_SAMPLES {
+            return self.floor;
+        }
+        let mut sorted: Vec<Duration> = times.iter().copied().collect();
+        sorted.sort_unstable();
+        // The nearest-rank percentile: at least PERCENTILE of the times are at or below it.
+        let rank = ((sorted.len() as f64 * PERCENTILE).ceil() as usize).clamp(1, sorted.len());
+        sorted[rank - 1]
+            .mul_f64(HEADROOM)
+            .clamp(self.floor, self.ceiling)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn fast_lookups_keep_the_floor_and_a_few_slow_ones_move_nothing() {
+        let bound = ResolveBound::new(20 * MS, 100 * MS);
+        assert_eq!(bound.current(), 20 * MS);
+        for _ in 0..(MIN_SAMPLES - 1) {
+            bound.found_after(90 * MS);
+        }
+        assert_eq!(bound.current(), 20 * MS, "too few lookups to go by");
+        for _ in 0..200 {
+            bound.found_after(MS / 5);
+        }
+        assert_eq!(
+            bound.current(),
+            20 * MS,
+            "fast lookups never lower it below the floor"
+        );
+        // Four slow lookups in the last hundred (a dead node on a walk's way): 96% are fast.
+        for _ in 0..4 {
+            bound.found_after(3 * MS);
+            bound.found_after(Duration::from_secs(9));
+        }
+        assert_eq!(bound.current(), 20 * MS);
+    }
+
+    #[test]
+    fn slower_lookups_raise_it_to_cover_them_up_to_the_ceiling_and_it_comes_back() {
+        let bound = ResolveBound::new(20 * MS, 100 * MS);
+        // A node whose walks dial: most hits in 10-40 ms.
+        for i in 0..WINDOW {
+            bound.found_after(Duration::from_millis(10 + (i as u64 % 31)));
+        }
+        // The 95th percentile is 39 ms; half again is 58.5 ms.
+        assert_eq!(bound.current(), Duration::from_micros(58_500));
+        for _ in 0..WINDOW {
+            bound.found_after(80 * MS);
+        }
+        assert_eq!(bound.current(), 100 * MS, "never past the ceiling");
+        // Connections open again, lookups fast: a window later the floor is back.
+        for _ in 0..WINDOW {
+            bound.found_after(2 * MS);
+        }
+        assert_eq!(bound.current(), 20 * MS);
+    }
+
+    #[test]
+    fn a_ceiling_below_the_floor_turns_adapting_off() {
+        let bound = ResolveBound::new(Duration::from_secs(1), 100 * MS);
+        for _ in 0..WINDOW {
+            bound.found_after(Duration::from_secs(5));
+        }
+        assert_eq!(bound.current(), Duration::from_secs(1));
+    }
+}
