@@ -283,6 +283,8 @@ mod tests {
             advertised_keys: 0,
             advertised_tags: vec![],
             served: vec![],
+            lookup_wait_ms: None,
+            lookups_found_late: 0,
             corrupt_blobs: 0,
             recent: vec![],
         };

@@ -173,6 +173,11 @@ pub fn status(s: &Sources) -> Status {
             })
             .unwrap_or_default(),
         served: status::served(&s.metrics),
+        lookup_wait_ms: s
+            .peers
+            .as_ref()
+            .map(|_| (s.metrics.peer_resolve_wait.get() * 1000.0).ceil() as u64),
+        lookups_found_late: s.metrics.peer_lookups_found_late.get(),
         corrupt_blobs: s.metrics.corrupt_blobs.get(),
         recent: s.recent.list(),
     }

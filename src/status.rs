@@ -30,6 +30,13 @@ pub struct Status {
     /// What this node's containerd got through the mirror (`listener` "mirror") and what
     /// this node served other nodes (`listener` "peer"), by kind and source.
     pub served: Vec<Served>,
+    /// How long a pull waits now for a lookup's first provider, in milliseconds
+    /// (`registry::peer::bound`); `None` when peer-to-peer is off.
+    #[serde(default)]
+    pub lookup_wait_ms: Option<u64>,
+    /// Lookups that wait cut whose walk found a provider afterwards (since start).
+    #[serde(default)]
+    pub lookups_found_late: u64,
     /// Blobs found not to match their digest before serving a peer.
     pub corrupt_blobs: u64,
     /// Newest first.
@@ -148,6 +155,12 @@ impl Status {
                     (self.advertised_keys as usize).saturating_sub(self.advertised_tags.len()),
                     self.advertised_tags.len()
                 ));
+                if let Some(wait) = self.lookup_wait_ms {
+                    out.push_str(&format!(
+                        "lookup wait: {wait} ms ({} lookups cut by it found a provider later)\n",
+                        self.lookups_found_late
+                    ));
+                }
                 if !self.passed_over.is_empty() {
                     out.push_str("peers passed over (they failed recently):\n");
                     for p in &self.passed_over {
@@ -303,6 +316,8 @@ mod tests {
                 requests: 3,
                 bytes: 3 << 20,
             }],
+            lookup_wait_ms: Some(87),
+            lookups_found_late: 3,
             corrupt_blobs: 0,
             recent: vec![Pull {
                 at: 100,
@@ -321,6 +336,7 @@ mod tests {
             "12D3other at 10.0.0.2:5481, connected 1h 2m",
             "12D3bad: QUARANTINED (served bytes that did not match their digest) for 4m 50s",
             "keys advertised: 7 (6 digests, 1 image tags)",
+            "lookup wait: 87 ms (3 lookups cut by it found a provider later)",
             "blob from other nodes: 3 answers, 3.0 MiB",
             "served to other nodes (since start):\n  nothing yet",
             "thanks to peers: 3.0 MiB",
