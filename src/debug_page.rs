@@ -147,6 +147,13 @@ fn render(st: &Status, now: u64, peering: bool) -> String {
                 st.advertised_keys,
                 st.advertised_tags.len()
             );
+            if let Some(wait) = st.lookup_wait_ms {
+                let _ = write!(
+                    o,
+                    "<p>lookup wait: {wait} ms ({} lookups cut by it found a provider later)</p>",
+                    st.lookups_found_late
+                );
+            }
             o.push_str("<table><tr><th>peer</th><th>peer address</th><th>connected</th></tr>");
             for p in &st.peers {
                 let since = p.connected_s.map_or("-".to_string(), duration);
