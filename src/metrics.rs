@@ -154,9 +154,11 @@ const DURATION_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
 ];
 
-/// Provider lookup buckets in seconds: a LAN DHT answers in about a millisecond; the
-/// default `--resolve-timeout` is 20 ms.
-const LOOKUP_BUCKETS: [f64; 10] = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0];
+/// Provider lookup buckets in seconds: a LAN DHT answers in about a millisecond; a pull
+/// waits 20-100 ms by default (`--resolve-timeout`, `--resolve-timeout-max`), finer there.
+const LOOKUP_BUCKETS: [f64; 13] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0,
+];
 
 #[derive(Debug)]
 pub struct Metrics {
@@ -289,7 +291,7 @@ impl Metrics {
         );
         registry.register(
             "peer_lookups_found_late",
-            "Lookups timed out for the pull whose walk found a provider afterwards: blobs sent upstream that a longer wait would have served from a peer (they raise the wait, up to --resolve-timeout-max)",
+            "Lookups (blobs, manifests, tags) the pull stopped waiting for whose walk found a provider afterwards: content a longer wait would have taken from a peer, fetched instead from the registry or a coalescing leader (their times lengthen the wait, up to --resolve-timeout-max)",
             peer_lookups_found_late.clone(),
         );
         registry.register(

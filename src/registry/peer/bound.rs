@@ -14,7 +14,10 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+
+use prometheus_client::metrics::gauge::Gauge;
 
 /// Lookups remembered: the last this many first-provider times. Not aged out: a node that
 /// pulled nothing for an hour has had its idle connections closed, and its next rollout's
@@ -22,8 +25,9 @@ use std::time::Duration;
 const WINDOW: usize = 100;
 /// Fewer times than this say little: the floor stands.
 const MIN_SAMPLES: usize = 10;
-/// The bound covers this share of recent lookups...
-const PERCENTILE: f64 = 0.95;
+/// The bound covers this share of recent lookups (the 90th percentile: one slow lookup among
+/// the first 10, a walk past a dead node, does not set it)...
+const PERCENTILE: f64 = 0.9;
 /// ...with this much headroom, for the next lookup to be a little slower than the last ones.
 const HEADROOM: f64 = 1.5;
 
@@ -33,6 +37,9 @@ pub struct ResolveBound {
     ceiling: Duration,
     /// One owner: the recent first-provider times, oldest first, and the bound they give.
     recent: Mutex<(VecDeque<Duration>, Duration)>,
+    /// Where the bound is shown (`ferry_peer_resolve_wait_seconds`), set under the lock so
+    /// that it never shows an older bound than the newest.
+    shown: Option<Gauge<f64, AtomicU64>>,
 }
 
 impl ResolveBound {
@@ -42,7 +49,15 @@ impl ResolveBound {
             floor,
             ceiling: ceiling.max(floor),
             recent: Mutex::new((VecDeque::with_capacity(WINDOW), floor)),
+            shown: None,
         }
+    }
+
+    /// Shows the bound in `gauge`, in seconds, from now on.
+    pub fn shown_in(mut self, gauge: Gauge<f64, AtomicU64>) -> Self {
+        gauge.set(self.current().as_secs_f64());
+        self.shown = Some(gauge);
+        self
     }
 
     /// How long a pull waits now.
@@ -60,6 +75,9 @@ impl ResolveBound {
         }
         times.push_back(took);
         *bound = self.bound_of(times);
+        if let Some(gauge) = &self.shown {
+            gauge.set(bound.as_secs_f64());
+        }
         *bound
     }
 
@@ -71,8 +89,9 @@ impl ResolveBound {
         sorted.sort_unstable();
         // The nearest-rank percentile: at least PERCENTILE of the times are at or below it.
         let rank = ((sorted.len() as f64 * PERCENTILE).ceil() as usize).clamp(1, sorted.len());
-        sorted[rank - 1]
-            .mul_f64(HEADROOM)
+        // Any time the caller gives, however long, is a bound: the ceiling.
+        Duration::try_from_secs_f64(sorted[rank - 1].as_secs_f64() * HEADROOM)
+            .unwrap_or(self.ceiling)
             .clamp(self.floor, self.ceiling)
     }
 }
@@ -91,6 +110,18 @@ mod tests {
             bound.found_after(90 * MS);
         }
         assert_eq!(bound.current(), 20 * MS, "too few lookups to go by");
+        // A new node's first lookups, one of them past a dead node: the 9 fast ones set it.
+        let new = ResolveBound::new(20 * MS, 100 * MS);
+        for _ in 0..(MIN_SAMPLES - 1) {
+            new.found_after(2 * MS);
+        }
+        new.found_after(Duration::from_secs(9));
+        assert_eq!(new.current(), 20 * MS);
+        // However long a time, it is bounded (no overflow).
+        for _ in 0..WINDOW {
+            new.found_after(Duration::MAX);
+        }
+        assert_eq!(new.current(), 100 * MS);
         for _ in 0..200 {
             bound.found_after(MS / 5);
         }
@@ -99,8 +130,8 @@ mod tests {
             20 * MS,
             "fast lookups never lower it below the floor"
         );
-        // Four slow lookups in the last hundred (a dead node on a walk's way): 96% are fast.
-        for _ in 0..4 {
+        // Nine slow lookups in the last hundred (walks past a dead node): 91% are fast.
+        for _ in 0..9 {
             bound.found_after(3 * MS);
             bound.found_after(Duration::from_secs(9));
         }
@@ -114,8 +145,8 @@ mod tests {
         for i in 0..WINDOW {
             bound.found_after(Duration::from_millis(10 + (i as u64 % 31)));
         }
-        // The 95th percentile is 39 ms; half again is 58.5 ms.
-        assert_eq!(bound.current(), Duration::from_micros(58_500));
+        // The 90th percentile is 37 ms; half again is 55.5 ms.
+        assert_eq!(bound.current(), Duration::from_micros(55_500));
         for _ in 0..WINDOW {
             bound.found_after(80 * MS);
         }

@@ -143,11 +143,10 @@ impl PeerFetcher {
             secret,
         )?
         .offering_zero_copy(config.zero_copy);
-        let bound = Arc::new(ResolveBound::new(
-            config.resolve_timeout,
-            config.resolve_timeout_max,
-        ));
-        metrics.peer_resolve_wait.set(bound.current().as_secs_f64());
+        let bound = Arc::new(
+            ResolveBound::new(config.resolve_timeout, config.resolve_timeout_max)
+                .shown_in(metrics.peer_resolve_wait.clone()),
+        );
         Ok(PeerFetcher {
             bound,
             router,
@@ -491,7 +490,7 @@ async fn lookup(
         Ok(Some(first)) => {
             let elapsed = started.elapsed();
             took = Some(elapsed);
-            found_after(&bound, &metrics, elapsed);
+            bound.found_after(elapsed);
             found.push(first);
             // Others that arrive right behind the first are failover candidates.
             while let Ok(Some(more)) =
@@ -520,7 +519,9 @@ async fn lookup(
 }
 
 /// A walk the pull stopped waiting for: when (if) it finds a provider, that is a lookup the
-/// bound cut. Dropping the stream then ends the walk (`event_loop`).
+/// bound cut. Dropping the stream then ends the walk at its next step (`event_loop` ends a
+/// walk nobody reads when it next reports, as for a lookup waited for, whose stream is dropped
+/// 2 ms after its first provider).
 async fn read_on(
     mut stream: crate::routing::PeerStream,
     started: Instant,
@@ -529,13 +530,8 @@ async fn read_on(
 ) {
     if let Ok(Some(_)) = tokio::time::timeout(READ_ON_LIMIT, stream.recv()).await {
         metrics.peer_lookups_found_late.inc();
-        found_after(&bound, &metrics, started.elapsed());
+        bound.found_after(started.elapsed());
     }
-}
-
-fn found_after(bound: &ResolveBound, metrics: &Metrics, took: Duration) {
-    let now = bound.found_after(took);
-    metrics.peer_resolve_wait.set(now.as_secs_f64());
 }
 
 #[async_trait::async_trait]
