@@ -145,7 +145,7 @@ pub struct Flags {
     #[arg(long, global = true, env = "FERRY_RESOLVE_TIMEOUT", value_name = "DUR")]
     pub resolve_timeout: Option<String>,
     /// The longest a pull waits for a provider lookup, on a node whose recent lookups of
-    /// present keys were slow (1.5x the time 90% of its last 100 took) [default: 100ms]
+    /// present keys were slow (1.5x the time 95% of its last 100 took) [default: 100ms]
     #[arg(
         long,
         global = true,
