@@ -365,13 +365,20 @@ pub async fn serve(
             metrics.clone(),
             store.clone(),
         ) {
-            Ok(f) => Some(Arc::new(f)),
+            Ok(f) => Some(Arc::new(f.remembering(&config.data_dir.join(LOOKUP_TIMES_FILE)))),
             Err(e) => {
                 tracing::error!(error = %e, "cannot build the peer HTTP client: peer-to-peer fetching is off");
                 None
             }
         }
     });
+    if let Some(fetcher) = &fetcher {
+        tracker.spawn(keep_learnt(
+            fetcher.clone(),
+            config.data_dir.join(LOOKUP_TIMES_FILE),
+            token.clone(),
+        ));
+    }
     let (exposed_tx, exposed) = sync::exposure();
     let exposed_view = exposed.clone();
     let tags = peers
@@ -513,6 +520,23 @@ pub async fn serve(
     {
         tracing::warn!("grace period over; remaining requests are cut off");
     }
+}
+
+/// The lookup times the wait for a lookup comes from (`registry::peer::bound`), in the data
+/// directory: a restarted node waits as it had learnt to.
+const LOOKUP_TIMES_FILE: &str = "lookup-times";
+/// How often they are kept while running (and once more at shutdown): a node that loses
+/// power loses at most this much of what it learnt.
+const KEEP_LEARNT_EVERY: Duration = Duration::from_secs(600);
+
+async fn keep_learnt(fetcher: Arc<PeerFetcher>, path: PathBuf, token: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = token.cancelled() => break,
+            () = tokio::time::sleep(KEEP_LEARNT_EVERY) => fetcher.keep_learnt(&path),
+        }
+    }
+    fetcher.keep_learnt(&path);
 }
 
 /// Starts probing the upstream registries (`--resolve-tags when-upstream-fails`). Without it

@@ -390,6 +390,13 @@ async fn a_local_miss_is_served_by_the_node_that_has_it_over_real_libp2p() {
     for n in [a, b, c] {
         n.stop().await;
     }
+    // B found A's layer through the DHT: the time it took is kept for B's next run, where
+    // the wait for a lookup starts from what it learnt.
+    let kept = std::fs::read_to_string(tmp.path().join("b/data/lookup-times")).unwrap();
+    assert!(
+        !kept.is_empty() && kept.lines().all(|l| l.parse::<u64>().is_ok()),
+        "{kept:?}"
+    );
 }
 
 /// A peer that sends the headers and part of the body of every blob, then drops the connection.

@@ -10,9 +10,12 @@
 //!
 //! The times come from every lookup that found a provider, also those the pull stopped
 //! waiting for (`super::lookup` keeps reading the walk in the background): without them a
-//! bound too short would never see what it cuts.
+//! bound too short would never see what it cuts. They are kept in the data directory across
+//! restarts (`save`, `load`): a node that reboots pulls its workloads' images while its
+//! connections are cold, the lookups the bound is for.
 
 use std::collections::VecDeque;
+use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -51,6 +54,23 @@ impl ResolveBound {
             recent: Mutex::new((VecDeque::with_capacity(WINDOW), floor)),
             shown: None,
         }
+    }
+
+    /// Starts from `times` (oldest first; the last [`WINDOW`] count), as [`load`] reads them.
+    pub fn remembering(self, times: Vec<Duration>) -> Self {
+        {
+            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            let skip = times.len().saturating_sub(WINDOW);
+            recent.0 = times.into_iter().skip(skip).collect();
+            recent.1 = self.bound_of(&recent.0);
+        }
+        self
+    }
+
+    /// The times the bound comes from, oldest first.
+    pub fn times(&self) -> Vec<Duration> {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        recent.0.iter().copied().collect()
     }
 
     /// Shows the bound in `gauge`, in seconds, from now on.
@@ -94,6 +114,44 @@ impl ResolveBound {
             .unwrap_or(self.ceiling)
             .clamp(self.floor, self.ceiling)
     }
+}
+
+/// Writes `times` to `path`, one number of microseconds a line, whole or not at all (a
+/// temporary file renamed over it).
+pub fn save(path: &Path, times: &[Duration]) -> std::io::Result<()> {
+    let text: String = times
+        .iter()
+        .map(|t| format!("{}\n", t.as_micros()))
+        .collect();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// The times [`save`] wrote to `path`: none when there is no file. A line that is not a number
+/// is skipped and said (the file is Ferry's own; a damaged one costs only what it held).
+pub fn load(path: &Path) -> Vec<Duration> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot read the lookup times kept from the last run; the wait starts from --resolve-timeout");
+            return Vec::new();
+        }
+    };
+    let mut times = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        match line.trim().parse::<u64>() {
+            Ok(us) => times.push(Duration::from_micros(us)),
+            Err(_) => {
+                tracing::warn!(path = %path.display(), line, "skipped a line that is not a lookup time");
+            }
+        }
+    }
+    times
 }
 
 #[cfg(test)]
@@ -165,5 +223,35 @@ mod tests {
             bound.found_after(Duration::from_secs(5));
         }
         assert_eq!(bound.current(), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn what_a_node_learnt_survives_a_restart_and_a_damaged_file_loses_only_itself() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("lookup-times");
+        assert!(load(&path).is_empty(), "no file: nothing learnt yet");
+        let before = ResolveBound::new(20 * MS, 100 * MS);
+        for _ in 0..30 {
+            before.found_after(40 * MS);
+        }
+        save(&path, &before.times()).unwrap_or_else(|e| panic!("{e}"));
+        let after = ResolveBound::new(20 * MS, 100 * MS).remembering(load(&path));
+        assert_eq!(
+            after.current(),
+            60 * MS,
+            "the restarted node waits as it learnt"
+        );
+        assert_eq!(after.times(), before.times());
+        // More than a window kept: the newest count.
+        let many: Vec<Duration> = (0..150)
+            .map(|i| if i < 50 { 90 * MS } else { MS })
+            .collect();
+        let trimmed = ResolveBound::new(20 * MS, 100 * MS).remembering(many);
+        assert_eq!(trimmed.times().len(), WINDOW);
+        assert_eq!(trimmed.current(), 20 * MS);
+        // A damaged file: its numbers still count, the rest is skipped.
+        std::fs::write(&path, "40000\nnot a time\n\u{0}\n40000\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(load(&path), vec![40 * MS, 40 * MS]);
     }
 }

@@ -444,6 +444,28 @@ impl PeerFetcher {
         self.health.order(found)
     }
 
+    /// Starts the wait from the lookup times kept at `path` by an earlier run
+    /// ([`PeerFetcher::keep_learnt`]).
+    pub fn remembering(mut self, path: &std::path::Path) -> Self {
+        self.bound = Arc::new(
+            ResolveBound::new(self.config.resolve_timeout, self.config.resolve_timeout_max)
+                .remembering(bound::load(path))
+                .shown_in(self.metrics.peer_resolve_wait.clone()),
+        );
+        self
+    }
+
+    /// Keeps the lookup times the wait comes from at `path`, for the next run.
+    pub fn keep_learnt(&self, path: &std::path::Path) {
+        let times = self.bound.times();
+        if times.is_empty() {
+            return;
+        }
+        if let Err(e) = bound::save(path, &times) {
+            tracing::warn!(path = %path.display(), error = %e, "cannot keep the lookup times for the next run");
+        }
+    }
+
     /// The peers passed over now (see `PeerHealth::passed_over`), for `ferry status`.
     pub fn passed_over(&self) -> Vec<(String, Duration, bool)> {
         self.health.passed_over()
