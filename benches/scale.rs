@@ -392,6 +392,11 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
+/// The mean (0 for none).
+fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len().max(1) as f64
+}
+
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
@@ -617,10 +622,10 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         .count();
     // The adaptive wait, per asking worker: the lookups it cut, where it ended, and what a
     // miss cost a pull with it and with the fixed 20 ms.
-    let askers_looked: Vec<Value> = looked
+    let asker_waits: Vec<f64> = looked
         .iter()
         .filter(|l| l["found_ms"].as_array().is_some_and(|a| !a.is_empty()))
-        .cloned()
+        .filter_map(|l| l["wait_ms"].as_f64())
         .collect();
     let absent_wait = concat(&looked, "absent_wait_ms");
     let absent_fixed: Vec<f64> = absent_ms
@@ -630,9 +635,9 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let walk_costs = json!({
         "lookups_over_resolve_timeout": slow_hits,
         "lookups_over_adaptive_wait": sum(&looked, "over_wait"),
-        "adaptive_wait_ms": round3(sum(&askers_looked, "wait_ms") / askers_looked.len().max(1) as f64),
-        "notfound_wait_ms_mean_fixed": round3(absent_fixed.iter().sum::<f64>() / absent_fixed.len().max(1) as f64),
-        "notfound_wait_ms_mean_adaptive": round3(absent_wait.iter().sum::<f64>() / absent_wait.len().max(1) as f64),
+        "adaptive_wait_ms": round3(mean(&asker_waits)),
+        "notfound_wait_ms_mean_fixed": round3(mean(&absent_fixed)),
+        "notfound_wait_ms_mean_adaptive": round3(mean(&absent_wait)),
         "lookup_cpu_ms_per_request": round3(cpu_per_request_ms),
         "found_walk_requests": per_walk("walk_requests", "found"),
         "found_walk_dials": per_walk("walk_dials", "found"),

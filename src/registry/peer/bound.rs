@@ -56,15 +56,13 @@ impl ResolveBound {
         }
     }
 
-    /// Starts from `times` (oldest first; the last [`WINDOW`] count), as [`load`] reads them.
-    pub fn remembering(self, times: Vec<Duration>) -> Self {
-        {
-            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+    /// Goes by `times` instead (oldest first; the last [`WINDOW`] count), as [`load`] reads
+    /// them from an earlier run.
+    pub fn remember(&self, times: Vec<Duration>) {
+        self.update(|recent| {
             let skip = times.len().saturating_sub(WINDOW);
-            recent.0 = times.into_iter().skip(skip).collect();
-            recent.1 = self.bound_of(&recent.0);
-        }
-        self
+            *recent = times.into_iter().skip(skip).collect();
+        });
     }
 
     /// The times the bound comes from, oldest first.
@@ -88,12 +86,19 @@ impl ResolveBound {
     /// A lookup found its first provider `took` after it started (whether or not the pull was
     /// still waiting). Returns the bound from now on.
     pub fn found_after(&self, took: Duration) -> Duration {
+        self.update(|times| {
+            if times.len() == WINDOW {
+                times.pop_front();
+            }
+            times.push_back(took);
+        })
+    }
+
+    /// Changes the times, then the bound they give and where it is shown, under one lock.
+    fn update(&self, change: impl FnOnce(&mut VecDeque<Duration>)) -> Duration {
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         let (times, bound) = &mut *recent;
-        if times.len() == WINDOW {
-            times.pop_front();
-        }
-        times.push_back(took);
+        change(times);
         *bound = self.bound_of(times);
         if let Some(gauge) = &self.shown {
             gauge.set(bound.as_secs_f64());
@@ -235,7 +240,8 @@ mod tests {
             before.found_after(40 * MS);
         }
         save(&path, &before.times()).unwrap_or_else(|e| panic!("{e}"));
-        let after = ResolveBound::new(20 * MS, 100 * MS).remembering(load(&path));
+        let after = ResolveBound::new(20 * MS, 100 * MS);
+        after.remember(load(&path));
         assert_eq!(
             after.current(),
             60 * MS,
@@ -246,7 +252,8 @@ mod tests {
         let many: Vec<Duration> = (0..150)
             .map(|i| if i < 50 { 90 * MS } else { MS })
             .collect();
-        let trimmed = ResolveBound::new(20 * MS, 100 * MS).remembering(many);
+        let trimmed = ResolveBound::new(20 * MS, 100 * MS);
+        trimmed.remember(many);
         assert_eq!(trimmed.times().len(), WINDOW);
         assert_eq!(trimmed.current(), 20 * MS);
         // A damaged file: its numbers still count, the rest is skipped.

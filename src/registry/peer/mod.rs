@@ -446,12 +446,8 @@ impl PeerFetcher {
 
     /// Starts the wait from the lookup times kept at `path` by an earlier run
     /// ([`PeerFetcher::keep_learnt`]).
-    pub fn remembering(mut self, path: &std::path::Path) -> Self {
-        self.bound = Arc::new(
-            ResolveBound::new(self.config.resolve_timeout, self.config.resolve_timeout_max)
-                .remembering(bound::load(path))
-                .shown_in(self.metrics.peer_resolve_wait.clone()),
-        );
+    pub fn remembering(self, path: &std::path::Path) -> Self {
+        self.bound.remember(bound::load(path));
         self
     }
 
