@@ -12,7 +12,8 @@
 //! done; DHT requests and loopback bytes per node per second in steady state (a window of
 //! two re-announcement intervals, scaled to the default interval); lookup latency of present
 //! keys (to the first provider, what a pull waits for) and of absent ones (until the walk
-//! ends); resident memory per node (the workers' RSS over the nodes); the time until a new
+//! ends), and the nodes each of those walks asked (the hops: libp2p-kad asks five at a time
+//! and reports no depth); resident memory per node (the workers' RSS over the nodes); the time until a new
 //! node's keys (a new identity, keys nobody else has) are findable from other nodes; and
 //! lookups under churn (5% of
 //! the nodes restarting per minute). Written to `<out>/scale.json` (a list of runs, one per
@@ -605,6 +606,10 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let mut missed_owners = concat(&looked, "missed_owners");
     missed_owners.sort_by(f64::total_cmp);
     let missed_found_again = sum(&looked, "missed_found_again");
+    // Nodes asked per walk (libp2p-kad's hop count is not reported: it asks five at a time,
+    // so a walk's depth in round trips is at least a fifth of this).
+    let found_asked = concat(&looked, "found_walk_asked");
+    let absent_asked = concat(&looked, "absent_walk_asked");
     // What the walks cost: nodes asked and connections dialled per walk, by outcome (where a
     // lookup's time goes: a round trip per five nodes asked, a handshake per dial).
     let walks_after = all(&mut workers, |_| json!({ "cmd": "stats" }));
@@ -643,6 +648,12 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         "found_walk_dials": per_walk("walk_dials", "found"),
         "notfound_walk_requests": per_walk("walk_requests", "none"),
         "notfound_walk_dials": per_walk("walk_dials", "none"),
+        "found_walk_requests_p50": percentile(&found_asked, 0.5),
+        "found_walk_requests_p99": percentile(&found_asked, 0.99),
+        "notfound_walk_requests_p50": percentile(&absent_asked, 0.5),
+        "notfound_walk_requests_p99": percentile(&absent_asked, 0.99),
+        "walks_measured": found_asked.len() + absent_asked.len(),
+        "walks_unattributed": sum(&looked, "walks_unattributed"),
     });
 
     // A restarted node: until every sampled key of its own is found from other nodes.
@@ -1031,14 +1042,57 @@ async fn lookup(router: &P2pRouter, key: &str) -> (Option<f64>, f64) {
 }
 
 fn some_router(nodes: &Nodes, except: Option<usize>) -> Option<(usize, P2pRouter)> {
+    let (i, router, _) = some_node(nodes, |i| Some(i) == except)?;
+    Some((i, router))
+}
+
+/// A random node not `skip`ped: its index, its router and its metrics.
+fn some_node(
+    nodes: &Nodes,
+    skip: impl Fn(usize) -> bool,
+) -> Option<(usize, P2pRouter, Arc<Metrics>)> {
     let nodes = nodes.lock().unwrap();
-    let ids: Vec<usize> = nodes
-        .keys()
-        .copied()
-        .filter(|i| Some(*i) != except)
-        .collect();
+    let ids: Vec<usize> = nodes.keys().copied().filter(|i| !skip(*i)).collect();
     let i = *ids.get(rand_below(ids.len()))?;
-    Some((i, nodes[&i].router.clone()))
+    Some((i, nodes[&i].router.clone(), nodes[&i].metrics.clone()))
+}
+
+/// A node's provider walks and the nodes they asked, by outcome (`PROVIDER_WALK_OUTCOMES`).
+#[derive(Clone, Copy, PartialEq)]
+struct WalkCount([(u64, u64); 2]);
+
+impl WalkCount {
+    fn of(metrics: &Metrics) -> WalkCount {
+        WalkCount(ferry::metrics::PROVIDER_WALK_OUTCOMES.map(|outcome| {
+            let labels = OutcomeLabels { outcome };
+            (
+                metrics.provider_walks.get_or_create(&labels).get(),
+                metrics.provider_walk_requests.get_or_create(&labels).get(),
+            )
+        }))
+    }
+}
+
+/// The nodes one walk asked, and whether it found a provider: read from the asking node's
+/// counters once the walk has ended. A walk is counted when it ends, which for one that found
+/// a provider is after the lookup returned (at the walk's next step), so this waits for the
+/// count to move, for at most libp2p's query timeout and a little more. `None` when it did not
+/// end by then or another walk of the node ended with it (not told apart).
+async fn walk_asked(metrics: Arc<Metrics>, before: WalkCount) -> Option<(bool, u64)> {
+    let deadline = Instant::now() + Duration::from_secs(12);
+    loop {
+        let now = WalkCount::of(&metrics);
+        let ended: Vec<usize> = (0..2).filter(|&k| now.0[k].0 > before.0[k].0).collect();
+        match ended[..] {
+            [k] if now.0[k].0 == before.0[k].0 + 1 => {
+                return Some((k == 0, now.0[k].1 - before.0[k].1));
+            }
+            [] if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            _ => return None,
+        }
+    }
 }
 
 /// A key only node `owner` has.
@@ -1057,12 +1111,21 @@ async fn lookup_elsewhere(nodes: &Nodes, shape: &Shape) -> Option<Option<f64>> {
 /// As [`lookup_elsewhere`], with the owner (its start order) and the key.
 async fn lookup_owned(nodes: &Nodes, shape: &Shape) -> Option<(usize, String, Option<f64>)> {
     let (asker, router) = some_router(nodes, None)?;
+    lookup_owned_from(asker, &router, shape).await
+}
+
+/// As [`lookup_owned`], from node `asker`.
+async fn lookup_owned_from(
+    asker: usize,
+    router: &P2pRouter,
+    shape: &Shape,
+) -> Option<(usize, String, Option<f64>)> {
     let mut owner = rand_below(shape.n);
     if owner == asker {
         owner = (owner + 1) % shape.n;
     }
     let key = own_key(owner, shape);
-    let found = lookup(&router, &key).await.0;
+    let found = lookup(router, &key).await.0;
     Some((owner, key, found))
 }
 
@@ -1077,10 +1140,36 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
     // network strands) and whether a second lookup from another node 2 s later found it (a
     // miss of that walk, not of where the records are).
     let (mut missed_owners, mut found_again) = (Vec::new(), 0);
+    // The nodes each walk asked (libp2p-kad reports no walk's depth; it asks five at a
+    // time). A lookup goes from a node with no walk of ours still running, so that the
+    // node's counters say what this walk alone asked.
+    let walking: Arc<Mutex<std::collections::HashSet<usize>>> = Arc::default();
+    let mut walks = Vec::new();
+    let pick = || {
+        let busy = walking.lock().unwrap().clone();
+        some_node(nodes, |i| busy.contains(&i))
+            .map(|n| (n, true))
+            .or_else(|| some_node(nodes, |_| false).map(|n| (n, false)))
+    };
+    let count = |(i, metrics, before, alone): (usize, Arc<Metrics>, WalkCount, bool)| {
+        let walking = walking.clone();
+        tokio::spawn(async move {
+            let asked = walk_asked(metrics, before).await;
+            walking.lock().unwrap().remove(&i);
+            asked.filter(|_| alone)
+        })
+    };
     for _ in 0..found {
         // One lookup at a time, 20 ms apart: the latency of a lookup, not of a queue of them.
         tokio::time::sleep(LOOKUP_GAP).await;
-        match lookup_owned(nodes, shape).await {
+        let Some(((asker, router, metrics), alone)) = pick() else {
+            break;
+        };
+        let before = WalkCount::of(&metrics);
+        walking.lock().unwrap().insert(asker);
+        let looked = lookup_owned_from(asker, &router, shape).await;
+        walks.push(count((asker, metrics, before, alone)));
+        match looked {
             Some((_, _, Some(ms))) => {
                 over_wait += usize::from(ms > wait_ms(&bound));
                 bound.found_after(Duration::from_secs_f64(ms / 1000.0));
@@ -1100,7 +1189,7 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
         }
     }
     for k in 0..absent {
-        let Some((_, router)) = some_router(nodes, None) else {
+        let Some(((asker, router, metrics), alone)) = pick() else {
             break;
         };
         let key = format!(
@@ -1108,13 +1197,26 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
             u64::MAX - 1,
             rand_below(1 << 30) + k
         );
+        let before = WalkCount::of(&metrics);
+        walking.lock().unwrap().insert(asker);
         let ms = lookup(&router, &key).await.1;
+        walks.push(count((asker, metrics, before, alone)));
         absent_wait_ms.push(ms.min(wait_ms(&bound)));
         absent_ms.push(ms);
     }
+    let (mut found_asked, mut absent_asked, mut unattributed) = (Vec::new(), Vec::new(), 0);
+    for walk in walks {
+        match walk.await.ok().flatten() {
+            Some((true, asked)) => found_asked.push(asked),
+            Some((false, asked)) => absent_asked.push(asked),
+            None => unattributed += 1,
+        }
+    }
     json!({ "found_ms": found_ms, "absent_ms": absent_ms, "missed": missed,
             "missed_owners": missed_owners, "missed_found_again": found_again,
-            "over_wait": over_wait, "wait_ms": wait_ms(&bound), "absent_wait_ms": absent_wait_ms })
+            "over_wait": over_wait, "wait_ms": wait_ms(&bound), "absent_wait_ms": absent_wait_ms,
+            "found_walk_asked": found_asked, "absent_walk_asked": absent_asked,
+            "walks_unattributed": unattributed })
 }
 
 async fn stop(node: SimNode) {

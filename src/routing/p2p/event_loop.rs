@@ -41,8 +41,15 @@ const CONNECTED_CHECK: Duration = Duration::from_secs(1);
 const EXPIRE_INTERVAL: Duration = Duration::from_secs(60);
 /// A failed handshake is a problem (see `problems.rs`) until this long after the last one.
 const HANDSHAKE_PROBLEM_FOR: Duration = Duration::from_secs(600);
-/// With peers connected, the DHT routing table is refreshed this often.
-const KAD_BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(300);
+/// With peers connected, the node walks to its own ID this often: its nearest neighbours
+/// decide which keys it must hold, so those are kept exact. The rest of the routing table is
+/// filled at the first connection (libp2p's bootstrap: a walk to its own ID and one per
+/// bucket farther out) and kept by the traffic itself: every announcement round contacts
+/// nearly every node, and a node that connects is added. Refreshing every bucket each time
+/// (as libp2p's bootstrap does) cost a walk per bucket, about log2 of the network's size, and
+/// a handshake per node met that was no longer connected: in the scale simulation, the load
+/// that outgrew 2 cores at about 250 nodes.
+const KAD_REFRESH_INTERVAL: Duration = Duration::from_secs(300);
 /// How often the announcer looks whether a round is due and starts what waits (walks for
 /// keys advertised while no peer was connected); at most a tenth of a short interval.
 const ANNOUNCE_TICK: Duration = Duration::from_secs(1);
@@ -78,6 +85,7 @@ pub(crate) struct EventLoop {
     /// Walks started for a coordinator (no other walk for the key was running or recent).
     coordinator_walks: HashSet<QueryId>,
     announcer: Announcer,
+    /// libp2p's full bootstrap (every bucket) ran since this node last had no peer at all.
     kad_bootstrapped: bool,
 }
 
@@ -118,7 +126,9 @@ impl EventLoop {
         let rebootstrap = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(rebootstrap);
         let mut backoff = REBOOTSTRAP_MIN;
-        let mut refresh = tokio::time::interval(KAD_BOOTSTRAP_INTERVAL);
+        let mut refresh = tokio::time::interval(KAD_REFRESH_INTERVAL);
+        // The first tick is at once: the full bootstrap runs at the first connection instead.
+        refresh.reset();
         let mut expire = tokio::time::interval(EXPIRE_INTERVAL);
         let mut announce = tokio::time::interval(
             ANNOUNCE_TICK
@@ -164,7 +174,8 @@ impl EventLoop {
                 }
                 _ = refresh.tick() => {
                     if self.status.connected.load(Ordering::Relaxed) > 0 {
-                        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+                        let local = *self.swarm.local_peer_id();
+                        self.swarm.behaviour_mut().kad.get_closest_peers(local);
                     }
                 }
             }
@@ -419,6 +430,12 @@ impl EventLoop {
                     self.awaiting_identify.remove(&peer_id);
                 }
                 self.update_connected();
+                // Cut off from every peer: the table may be stale everywhere, so the next
+                // first connection fills it again (the periodic refresh keeps only the
+                // nearest neighbours).
+                if self.status.connected.load(Ordering::Relaxed) == 0 {
+                    self.kad_bootstrapped = false;
+                }
             }
             SwarmEvent::OutgoingConnectionError {
                 peer_id,
