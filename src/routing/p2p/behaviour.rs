@@ -77,10 +77,11 @@ impl Behaviour {
             // Ferry stores no values in the DHT, only provider records.
             .set_record_ttl(None)
             .set_publication_interval(None)
-            // Ferry refreshes the routing table itself every 5 minutes, and only with peers
-            // connected (`event_loop.rs`); libp2p's own periodic bootstrap ran a second one at
-            // the same time: on a node, walks to its own ID and one per bucket, a handshake
-            // for each node met that is no longer connected.
+            // Ferry refreshes the routing table itself, only with peers connected: libp2p's
+            // bootstrap at the first connection, then a walk to its own ID every 5 minutes
+            // (`event_loop.rs`). libp2p's own periodic bootstrap would walk to its own ID and
+            // once per bucket every time, a handshake for each node met that is no longer
+            // connected.
             .set_periodic_bootstrap_interval(None);
         if let Some(n) = NonZeroUsize::new(timing.replicas) {
             config.set_replication_factor(n);

@@ -47,8 +47,8 @@ const HANDSHAKE_PROBLEM_FOR: Duration = Duration::from_secs(600);
 /// bucket farther out) and kept by the traffic itself: every announcement round contacts
 /// nearly every node, and a node that connects is added. Refreshing every bucket each time
 /// (as libp2p's bootstrap does) cost a walk per bucket, about log2 of the network's size, and
-/// a handshake per node met that was no longer connected: in the scale simulation, the load
-/// that outgrew 2 cores at about 250 nodes.
+/// a handshake per node met that was no longer connected: in the scale simulation 0.4 CPU
+/// seconds per node each time, against 0.13 for the walk to its own ID (200 nodes).
 const KAD_REFRESH_INTERVAL: Duration = Duration::from_secs(300);
 /// How often the announcer looks whether a round is due and starts what waits (walks for
 /// keys advertised while no peer was connected); at most a tenth of a short interval.
