@@ -1058,7 +1058,6 @@ fn some_node(
 }
 
 /// A node's provider walks and the nodes they asked, by outcome (`PROVIDER_WALK_OUTCOMES`).
-#[derive(Clone, Copy, PartialEq)]
 struct WalkCount([(u64, u64); 2]);
 
 impl WalkCount {
@@ -1085,7 +1084,8 @@ async fn walk_asked(metrics: Arc<Metrics>, before: WalkCount) -> Option<(bool, u
         let ended: Vec<usize> = (0..2).filter(|&k| now.0[k].0 > before.0[k].0).collect();
         match ended[..] {
             [k] if now.0[k].0 == before.0[k].0 + 1 => {
-                return Some((k == 0, now.0[k].1 - before.0[k].1));
+                let found = ferry::metrics::PROVIDER_WALK_OUTCOMES[k] == "found";
+                return Some((found, now.0[k].1 - before.0[k].1));
             }
             [] if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1145,11 +1145,16 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
     // node's counters say what this walk alone asked.
     let walking: Arc<Mutex<std::collections::HashSet<usize>>> = Arc::default();
     let mut walks = Vec::new();
+    // The asking node, its router, and what its walk is counted from (its counters now, and
+    // whether no walk of ours was running on it).
     let pick = || {
         let busy = walking.lock().unwrap().clone();
-        some_node(nodes, |i| busy.contains(&i))
+        let ((i, router, metrics), alone) = some_node(nodes, |i| busy.contains(&i))
             .map(|n| (n, true))
-            .or_else(|| some_node(nodes, |_| false).map(|n| (n, false)))
+            .or_else(|| some_node(nodes, |_| false).map(|n| (n, false)))?;
+        walking.lock().unwrap().insert(i);
+        let before = WalkCount::of(&metrics);
+        Some((i, router, (i, metrics, before, alone)))
     };
     let count = |(i, metrics, before, alone): (usize, Arc<Metrics>, WalkCount, bool)| {
         let walking = walking.clone();
@@ -1162,13 +1167,11 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
     for _ in 0..found {
         // One lookup at a time, 20 ms apart: the latency of a lookup, not of a queue of them.
         tokio::time::sleep(LOOKUP_GAP).await;
-        let Some(((asker, router, metrics), alone)) = pick() else {
+        let Some((asker, router, walk)) = pick() else {
             break;
         };
-        let before = WalkCount::of(&metrics);
-        walking.lock().unwrap().insert(asker);
         let looked = lookup_owned_from(asker, &router, shape).await;
-        walks.push(count((asker, metrics, before, alone)));
+        walks.push(count(walk));
         match looked {
             Some((_, _, Some(ms))) => {
                 over_wait += usize::from(ms > wait_ms(&bound));
@@ -1189,7 +1192,7 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
         }
     }
     for k in 0..absent {
-        let Some(((asker, router, metrics), alone)) = pick() else {
+        let Some((_, router, walk)) = pick() else {
             break;
         };
         let key = format!(
@@ -1197,10 +1200,8 @@ async fn lookups(nodes: &Nodes, shape: &Shape, found: usize, absent: usize) -> V
             u64::MAX - 1,
             rand_below(1 << 30) + k
         );
-        let before = WalkCount::of(&metrics);
-        walking.lock().unwrap().insert(asker);
         let ms = lookup(&router, &key).await.1;
-        walks.push(count((asker, metrics, before, alone)));
+        walks.push(count(walk));
         absent_wait_ms.push(ms.min(wait_ms(&bound)));
         absent_ms.push(ms);
     }

@@ -357,6 +357,7 @@ pub async fn serve(
     let secret = config.cluster_secret.clone();
     // A client that cannot be built (it never happens in practice) leaves this node serving
     // its own content, said loudly, rather than silently with default timeouts.
+    let lookup_times = config.data_dir.join(LOOKUP_TIMES_FILE);
     let fetcher = peers.as_ref().and_then(|(router, fetch, _, _)| {
         match PeerFetcher::new(
             router.clone(),
@@ -365,7 +366,7 @@ pub async fn serve(
             metrics.clone(),
             store.clone(),
         ) {
-            Ok(f) => Some(Arc::new(f.remembering(&config.data_dir.join(LOOKUP_TIMES_FILE)))),
+            Ok(f) => Some(Arc::new(f.remembering(&lookup_times))),
             Err(e) => {
                 tracing::error!(error = %e, "cannot build the peer HTTP client: peer-to-peer fetching is off");
                 None
@@ -373,11 +374,7 @@ pub async fn serve(
         }
     });
     if let Some(fetcher) = &fetcher {
-        tracker.spawn(keep_learnt(
-            fetcher.clone(),
-            config.data_dir.join(LOOKUP_TIMES_FILE),
-            token.clone(),
-        ));
+        tracker.spawn(keep_learnt(fetcher.clone(), lookup_times, token.clone()));
     }
     let (exposed_tx, exposed) = sync::exposure();
     let exposed_view = exposed.clone();
