@@ -930,6 +930,23 @@ async fn a_node_without_the_cluster_key_cannot_join_or_poison_records() {
         0,
         "no key at all never completes a connection"
     );
+    // Each failed dial is told at once as a failed handshake, on both sides, never left to
+    // the 10 s connection timeout (which the dialler could not tell from a node that is down).
+    let handshake_failures = |n: &Node, direction| {
+        n.metrics
+            .peer_handshake_failures
+            .get_or_create(&DirectionLabels { direction })
+            .get()
+    };
+    for n in [&outsider, &open] {
+        assert!(
+            handshake_failures(n, "outgoing") >= 2,
+            "every dial fails its handshake at once: {} in 3 s",
+            handshake_failures(n, "outgoing")
+        );
+    }
+    assert!(handshake_failures(&a, "incoming") >= 4);
+    assert_eq!(handshake_failures(&b, "outgoing"), 0, "members agree");
     assert!(
         providers(&a.router, key_name).await.is_empty(),
         "outsiders' records never reach members"

@@ -12,6 +12,7 @@ mod dials;
 mod event_loop;
 mod growth;
 pub mod identity;
+mod key_check;
 mod peer_addrs;
 mod rest;
 mod store;
@@ -270,7 +271,8 @@ impl P2pRouter {
     }
 }
 
-/// TCP, then the private-network handshake, then noise and yamux.
+/// TCP, then the private-network handshake (and, listening, the check that the dialler holds
+/// the same key: `key_check.rs`), then noise and yamux.
 fn private_transport(
     key: &Keypair,
     psk: [u8; 32],
@@ -279,7 +281,17 @@ fn private_transport(
     let psk = PreSharedKey::new(psk);
     Ok(
         tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
-            .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
+            .and_then(move |socket, endpoint| async move {
+                let stream = PnetConfig::new(psk)
+                    .handshake(socket)
+                    .await
+                    .map_err(std::io::Error::other)?;
+                if endpoint.is_listener() {
+                    key_check::expect_same_key(stream).await
+                } else {
+                    Ok(key_check::Replay::unread(stream))
+                }
+            })
             .upgrade(Version::V1Lazy)
             .authenticate(noise)
             .multiplex(yamux::Config::default())

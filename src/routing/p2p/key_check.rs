@@ -1,0 +1,143 @@
+//! Tells a dialler with another cluster secret apart at once, on the listening side.
+//!
+//! The private-network handshake (`libp2p-pnet`) exchanges nonces only and never checks that
+//! both sides hold the same key: with different keys each side reads the other's bytes as
+//! noise. The listener's protocol negotiation then takes the first garbage byte for the
+//! length of a message still to come and, when that length is more than the dialler sent,
+//! waits for the rest until the connection timeout (10 s), and so does the dialler, which can
+//! only report a timeout: to it, a node with another secret looks like a node that is down,
+//! and `peer_handshake_failing` (see `problems.rs`) may never be raised on the node with the
+//! wrong secret, which is the one that must say so. Every libp2p dialler sends the
+//! negotiation's header first, so the listener reads those bytes itself: anything else is
+//! another key, and the connection is closed at once, which the dialler sees as a failed
+//! handshake. The bytes read are handed back to the negotiation unchanged.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite};
+
+/// The first bytes every libp2p dialler sends: multistream-select's header,
+/// `/multistream/1.0.0\n` behind its length (19, one varint byte).
+pub(super) const NEGOTIATION_HEADER: &[u8; 20] = b"\x13/multistream/1.0.0\n";
+
+/// Reads the dialler's first bytes on `stream` (after the private-network handshake): the
+/// stream to negotiate on when they are the negotiation's header, an error naming a
+/// different cluster secret otherwise.
+pub(super) async fn expect_same_key<S: AsyncRead + Unpin>(mut stream: S) -> io::Result<Replay<S>> {
+    let mut first = [0u8; NEGOTIATION_HEADER.len()];
+    stream.read_exact(&mut first).await?;
+    if &first != NEGOTIATION_HEADER {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the dialler's first bytes are not a libp2p handshake once decrypted: it holds a different cluster secret (or is not a Ferry)",
+        ));
+    }
+    Ok(Replay {
+        head: first,
+        read: 0,
+        inner: stream,
+    })
+}
+
+/// `inner`, whose first bytes (already read from it) are read again first.
+#[derive(Debug)]
+pub(super) struct Replay<S> {
+    head: [u8; NEGOTIATION_HEADER.len()],
+    /// How much of `head` was handed out.
+    read: usize,
+    inner: S,
+}
+
+impl<S> Replay<S> {
+    /// `inner` with nothing to read again: the dialling side, which reads nothing first.
+    pub(super) fn unread(inner: S) -> Self {
+        Replay {
+            head: *NEGOTIATION_HEADER,
+            read: NEGOTIATION_HEADER.len(),
+            inner,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Replay<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.read < this.head.len() {
+            let n = buf.len().min(this.head.len() - this.read);
+            buf[..n].copy_from_slice(&this.head[this.read..this.read + n]);
+            this.read += n;
+            return Poll::Ready(Ok(n));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Replay<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_close(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::io::Cursor;
+
+    #[tokio::test]
+    async fn the_header_is_read_again_then_the_rest() {
+        let mut sent = NEGOTIATION_HEADER.to_vec();
+        sent.extend_from_slice(b"\x07/noise\n and the rest");
+        let mut stream = expect_same_key(Cursor::new(sent.clone())).await.unwrap();
+        // Small reads cross the boundary between the replayed bytes and the stream's own.
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 7];
+        loop {
+            let n = stream.read(&mut chunk).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&chunk[..n]);
+        }
+        assert_eq!(got, sent);
+    }
+
+    #[tokio::test]
+    async fn other_bytes_are_another_key() {
+        // What a dialler with another key's header decrypts to: anything but the header.
+        let mut garbage = NEGOTIATION_HEADER.to_vec();
+        garbage[5] ^= 0x40;
+        garbage.extend_from_slice(b"more");
+        let err = expect_same_key(Cursor::new(garbage)).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(
+            err.to_string().contains("different cluster secret"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dialler_that_hangs_up_early_is_an_error_not_a_connection() {
+        let err = expect_same_key(Cursor::new(b"\x13/multi".to_vec()))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+    }
+}
