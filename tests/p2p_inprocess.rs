@@ -908,6 +908,9 @@ async fn a_node_without_the_cluster_key_cannot_join_or_poison_records() {
     .await;
     let outsider = start_with_key(&tmp.path().join("x"), addr(), addr(), &[seed], wrong);
     let open = start(&tmp.path().join("o"), addr(), addr(), &[seed]);
+    // And a member that dials only the node without a key (a cluster half-way through
+    // turning its secret on).
+    let member_to_open = start_with_key(&tmp.path().join("m"), addr(), addr(), &[open.p2p], key);
     let key_name = "sha256:00000000000000000000000000000000000000000000000000000000000000aa";
     outsider
         .router
@@ -938,7 +941,7 @@ async fn a_node_without_the_cluster_key_cannot_join_or_poison_records() {
             .get_or_create(&DirectionLabels { direction })
             .get()
     };
-    for n in [&outsider, &open] {
+    for n in [&outsider, &open, &member_to_open] {
         assert!(
             handshake_failures(n, "outgoing") >= 2,
             "every dial fails its handshake at once: {} in 3 s",
@@ -946,6 +949,8 @@ async fn a_node_without_the_cluster_key_cannot_join_or_poison_records() {
         );
     }
     assert!(handshake_failures(&a, "incoming") >= 4);
+    assert!(handshake_failures(&open, "incoming") >= 2);
+    assert_eq!(member_to_open.router.connected_peers(), 0);
     assert_eq!(handshake_failures(&b, "outgoing"), 0, "members agree");
     assert!(
         providers(&a.router, key_name).await.is_empty(),
@@ -965,7 +970,7 @@ async fn a_node_without_the_cluster_key_cannot_join_or_poison_records() {
             .any(|p| p.id == a.router.peer_id().to_base58())
     })
     .await;
-    for n in [a, b, outsider, open] {
+    for n in [a, b, outsider, open, member_to_open] {
         stop(n).await;
     }
 }

@@ -19,6 +19,7 @@ use super::announcer::Announcer;
 use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, ProvideTiming, peer_addr_of};
 use super::closest::{Closest, Coordinator};
 use super::dials::BootstrapDials;
+use super::key_check;
 use super::peer_addrs::PeerAddrs;
 use super::{Command, Status};
 use crate::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
@@ -446,8 +447,7 @@ impl EventLoop {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
                 // A refused or unreachable address is a node not up yet; a failed handshake
                 // is a node that answered and could not agree on the key: another secret.
-                // (libp2p's dial error keeps its cause only in its text.)
-                if error.to_string().contains("Handshake failed") {
+                if key_check::is_handshake_failure(&error.to_string()) {
                     self.handshake_failed("outgoing", &error.to_string());
                 }
                 if let Some(peer) = peer_id {

@@ -10,7 +10,10 @@
 //! wrong secret, which is the one that must say so. Every libp2p dialler sends the
 //! negotiation's header first, so the listener reads those bytes itself: anything else is
 //! another key, and the connection is closed at once, which the dialler sees as a failed
-//! handshake. The bytes read are handed back to the negotiation unchanged.
+//! handshake. The bytes read are handed back to the negotiation unchanged. The same holds
+//! between a node with a secret and one without (each reads the other's nonce, or its
+//! header, as the wrong thing), so a cluster half-way through turning its secret on sees
+//! the split at once on both sides, and so does a node without a secret that a member dials.
 
 use std::io;
 use std::pin::Pin;
@@ -21,6 +24,18 @@ use futures::{AsyncRead, AsyncReadExt, AsyncWrite};
 /// The first bytes every libp2p dialler sends: multistream-select's header,
 /// `/multistream/1.0.0\n` behind its length (19, one varint byte).
 pub(super) const NEGOTIATION_HEADER: &[u8; 20] = b"\x13/multistream/1.0.0\n";
+
+/// Starts the error of a private-network handshake that failed once connected: the other
+/// side closed the connection instead of sending its nonce (a node without a secret, having
+/// read ours as garbage, or a Ferry with a different one).
+pub(super) const PNET_HANDSHAKE_FAILED: &str = "private-network handshake failed";
+
+/// Whether a dial's error (libp2p keeps the cause only in the text) is a node that answered
+/// and could not agree with this one: noise failing after the negotiation, or the
+/// private-network handshake. A refused or unreachable address is a node not up yet.
+pub(super) fn is_handshake_failure(dial_error: &str) -> bool {
+    dial_error.contains("Handshake failed") || dial_error.contains(PNET_HANDSHAKE_FAILED)
+}
 
 /// Reads the dialler's first bytes on `stream` (after the private-network handshake): the
 /// stream to negotiate on when they are the negotiation's header, an error naming a
@@ -131,6 +146,31 @@ mod tests {
             err.to_string().contains("different cluster secret"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn dial_errors_that_are_a_node_with_another_key() {
+        // As libp2p prints them (the dial's error chain).
+        for (error, failed_handshake) in [
+            (
+                "Failed to negotiate transport protocol(s): [(/ip4/10.0.0.2/tcp/5482: : Handshake failed: An I/O error occurred)]",
+                true,
+            ),
+            (
+                "Failed to negotiate transport protocol(s): [(/ip4/10.0.0.2/tcp/5482: : private-network handshake failed: Handshake error: early eof)]",
+                true,
+            ),
+            (
+                "Failed to negotiate transport protocol(s): [(/ip4/10.0.0.2/tcp/5482: : Connection refused (os error 111))]",
+                false,
+            ),
+            (
+                "Failed to negotiate transport protocol(s): [(/ip4/10.0.0.2/tcp/5482: : Timeout has been reached)]",
+                false,
+            ),
+        ] {
+            assert_eq!(is_handshake_failure(error), failed_handshake, "{error}");
+        }
     }
 
     #[tokio::test]

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
+use futures::future::Either;
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::core::transport::Boxed;
 use libp2p::core::upgrade::Version;
@@ -172,7 +173,8 @@ impl P2pRouter {
         let idle = config.idle_timeout;
         let behaviour = move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing);
         let transport_err = |e: &dyn std::fmt::Display| P2pError::Transport(e.to_string());
-        let mut swarm = match (config.psk, config.simulated_latency) {
+        let psk = config.psk;
+        let mut swarm = match (psk, config.simulated_latency) {
             (None, Some(latency)) => SwarmBuilder::with_existing_identity(key)
                 .with_tokio()
                 .with_other_transport(|key| delayed_transport(key, latency))
@@ -183,25 +185,9 @@ impl P2pRouter {
                 .map_err(|e| transport_err(&e))?
                 .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
                 .build(),
-            // A private network: the pre-shared-key handshake runs before anything else, so a
-            // node without the key cannot even start noise, let alone reach Kademlia.
-            (Some(psk), _) => SwarmBuilder::with_existing_identity(key)
+            _ => SwarmBuilder::with_existing_identity(key)
                 .with_tokio()
-                .with_other_transport(|key| private_transport(key, psk))
-                .map_err(|e| transport_err(&e))?
-                .with_dns()
-                .map_err(|e| transport_err(&e))?
-                .with_behaviour(behaviour)
-                .map_err(|e| transport_err(&e))?
-                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
-                .build(),
-            (None, None) => SwarmBuilder::with_existing_identity(key)
-                .with_tokio()
-                .with_tcp(
-                    tcp::Config::default().nodelay(true),
-                    noise::Config::new,
-                    yamux::Config::default,
-                )
+                .with_other_transport(|key| peer_transport(key, psk))
                 .map_err(|e| transport_err(&e))?
                 .with_dns()
                 .map_err(|e| transport_err(&e))?
@@ -271,21 +257,32 @@ impl P2pRouter {
     }
 }
 
-/// TCP, then the private-network handshake (and, listening, the check that the dialler holds
-/// the same key: `key_check.rs`), then noise and yamux.
-fn private_transport(
+/// TCP; with a cluster secret, the private-network handshake (a pre-shared key: a node
+/// without it cannot even start noise, let alone reach Kademlia); listening, the check that
+/// the dialler speaks libp2p in the clear or under the same key (`key_check.rs`); then noise
+/// and yamux.
+fn peer_transport(
     key: &Keypair,
-    psk: [u8; 32],
+    psk: Option<[u8; 32]>,
 ) -> Result<Boxed<(PeerId, StreamMuxerBox)>, Box<dyn std::error::Error + Send + Sync>> {
     let noise = noise::Config::new(key)?;
-    let psk = PreSharedKey::new(psk);
     Ok(
         tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
             .and_then(move |socket, endpoint| async move {
-                let stream = PnetConfig::new(psk)
-                    .handshake(socket)
-                    .await
-                    .map_err(std::io::Error::other)?;
+                let stream = match psk {
+                    Some(psk) => Either::Left(
+                        PnetConfig::new(PreSharedKey::new(psk))
+                            .handshake(socket)
+                            .await
+                            .map_err(|e| {
+                                std::io::Error::other(format!(
+                                    "{}: {e}",
+                                    key_check::PNET_HANDSHAKE_FAILED
+                                ))
+                            })?,
+                    ),
+                    None => Either::Right(socket),
+                };
                 if endpoint.is_listener() {
                     key_check::expect_same_key(stream).await
                 } else {
