@@ -1,7 +1,8 @@
 //! Tags through Ferry, on two nodes and an upstream registry in network namespaces, each
 //! node with its own containerd: a pull by tag gets exactly what the registry would give
 //! whenever the registry answers (a moved tag reaches every node), and resolves through peers
-//! only while it does not.
+//! only while it does not. With a private registry, the tag still needs the pull secret on
+//! every node.
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -246,6 +247,126 @@ fn copy_without_ferry(from: &Path, to: &Path) {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("hosts.toml"), kept).unwrap();
     }
+}
+
+/// `tenant:tenant-a-password`, bcrypt (the only hash the registry's htpasswd auth takes).
+const TENANT: &str = "tenant:tenant-a-password";
+const TENANT_HTPASSWD: &str = "tenant:$2b$05$EZAZN8AQ2ABNk4t5URbLnuwVrEigixPc3VFJTtS0dB/DjCGDJueKy";
+
+/// A private registry (every request needs credentials): a node without the pull secret
+/// cannot pull a tag another node holds (the mirror sends every tag upstream, which refuses
+/// it); with it, the tag comes from the registry and every digest from the node that has
+/// them. By digest nothing asks the registry, credentials or not: what the README's Security
+/// section says, pinned here so that it stays true.
+#[test]
+fn a_private_tag_needs_the_pull_secret_on_every_node_and_digests_come_from_peers() {
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let ns = net.add_host("up", 1);
+    let registry_addr = SocketAddr::new(net.host_ip(1), 5000);
+    let registry =
+        Registry::start_private(&dir.join("up"), Some(&ns), registry_addr, TENANT_HTPASSWD);
+    let image = Image::generate(&dir.join("img"), "v1", LAYERS, LAYER_BYTES);
+    image.push_as(registry_addr, "tenant/app", Some(TENANT));
+    let reference = format!("{registry_addr}/tenant/app:v1");
+    let (node1, node2) = two_nodes(&mut net, dir, registry_addr, &[]);
+    let seed = format!("{}:{P2P_PORT}", node1.ip);
+    let node3 = Node::start(
+        &mut net,
+        dir,
+        "n3",
+        13,
+        registry_addr,
+        &["--bootstrap-peers", &seed],
+    );
+
+    // Node 1 pulls with the pull secret, and shares what it got.
+    node1
+        .containerd
+        .try_pull_as(
+            "k8s.io",
+            &reference,
+            &node1.containerd.hosts_dir,
+            Some(TENANT),
+        )
+        .unwrap();
+    assert_eq!(node1.image_digest(&reference), image.manifest);
+    wait_for("node 1 advertises the image and its tag", || {
+        node1.metric("ferry_keys_advertised") >= (LAYERS + 3) as u64
+            && has_line(&node1, "ferry_announcements_pending 0")
+    });
+
+    // Node 2 without it: refused, as without Ferry, and nothing of the image reaches it.
+    let refused = node2
+        .containerd
+        .try_pull_as("k8s.io", &reference, &node2.containerd.hosts_dir, None)
+        .unwrap_err();
+    assert!(
+        refused.contains("401") || refused.to_lowercase().contains("unauthorized"),
+        "{refused}"
+    );
+    let content = |node: &Node| {
+        node.containerd
+            .ctr(&["-n", "k8s.io", "content", "ls", "-q"])
+    };
+    for digest in image.digests() {
+        assert!(!content(&node2).contains(&digest), "node 2 got {digest}");
+    }
+    assert_eq!(
+        node2.metric("ferry_tag_requests_total{answer=\"peers\"}"),
+        0
+    );
+
+    // Node 2 with it: the tag from the registry, every digest from node 1.
+    let before = registry.requests().len();
+    node2
+        .containerd
+        .try_pull_as(
+            "k8s.io",
+            &reference,
+            &node2.containerd.hosts_dir,
+            Some(TENANT),
+        )
+        .unwrap();
+    assert_eq!(node2.image_digest(&reference), image.manifest);
+    let asked: Vec<_> = upstream_requests_of(&registry, &node2, before)
+        .into_iter()
+        .filter(|(_, uri)| uri != "/v2/")
+        .collect();
+    assert!(
+        !asked.is_empty()
+            && asked
+                .iter()
+                .all(|(method, uri)| method == "HEAD" && uri == "/v2/tenant/app/manifests/v1"),
+        "node 2 asked the registry for the tag only (a 401, then with credentials): {asked:?}"
+    );
+    for digest in image.digests() {
+        assert!(content(&node2).contains(&digest), "node 2 holds {digest}");
+    }
+
+    // Node 3, by digest, without credentials: nothing asks the registry (README, Security).
+    let before = registry.requests().len();
+    let pinned = format!("{registry_addr}/tenant/app@{}", image.manifest);
+    node3
+        .containerd
+        .try_pull_as("k8s.io", &pinned, &node3.containerd.hosts_dir, None)
+        .unwrap();
+    let asked: Vec<_> = upstream_requests_of(&registry, &node3, before)
+        .into_iter()
+        .filter(|(_, uri)| uri != "/v2/")
+        .collect();
+    assert_eq!(asked, [], "node 3 got everything from peers");
+    for digest in image.digests() {
+        assert!(content(&node3).contains(&digest), "node 3 holds {digest}");
+    }
+
+    drop(node3);
+    drop(node2);
+    drop(node1);
+    drop(registry);
+    drop(tmp);
+    drop(net);
 }
 
 #[test]

@@ -333,15 +333,27 @@ state = "{d}/state"
         reference: &str,
         hosts_dir: &Path,
     ) -> Result<String, String> {
+        self.try_pull_as(namespace, reference, hosts_dir, None)
+    }
+
+    /// As [`Containerd::try_pull`], with `user:password` for the registry when given.
+    pub fn try_pull_as(
+        &self,
+        namespace: &str,
+        reference: &str,
+        hosts_dir: &Path,
+        user: Option<&str>,
+    ) -> Result<String, String> {
         // ctr does the registry HTTP itself: it must run in the node's network namespace.
-        let out = in_netns(self.netns.as_deref(), "ctr")
-            .arg("--address")
+        let mut cmd = in_netns(self.netns.as_deref(), "ctr");
+        cmd.arg("--address")
             .arg(&self.socket)
             .args(["-n", namespace, "images", "pull", "--hosts-dir"])
-            .arg(hosts_dir)
-            .arg(reference)
-            .output()
-            .expect("run ctr");
+            .arg(hosts_dir);
+        if let Some(user) = user {
+            cmd.args(["--user", user]);
+        }
+        let out = cmd.arg(reference).output().expect("run ctr");
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
@@ -406,13 +418,42 @@ impl Registry {
         listen: SocketAddr,
         addr: SocketAddr,
     ) -> Registry {
+        Self::start_configured(dir, netns, listen, addr, "")
+    }
+
+    /// As [`Registry::start_at`], private: every request needs `user:password` (HTTP basic
+    /// auth; `htpasswd` is the bcrypt line for it).
+    pub fn start_private(
+        dir: &Path,
+        netns: Option<&str>,
+        addr: SocketAddr,
+        htpasswd: &str,
+    ) -> Registry {
+        std::fs::create_dir_all(dir).expect("registry dir");
+        let file = dir.join("htpasswd");
+        std::fs::write(&file, format!("{htpasswd}\n")).expect("htpasswd");
+        let auth = format!(
+            "auth:\n  htpasswd:\n    realm: ferry-test\n    path: {}\n",
+            file.display()
+        );
+        Self::start_configured(dir, netns, addr, addr, &auth)
+    }
+
+    /// `extra`: more top-level sections of the registry's configuration.
+    fn start_configured(
+        dir: &Path,
+        netns: Option<&str>,
+        listen: SocketAddr,
+        addr: SocketAddr,
+        extra: &str,
+    ) -> Registry {
         require("docker-registry");
         std::fs::create_dir_all(dir).expect("registry dir");
         let config = dir.join("registry.yml");
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: \"{listen}\"\n",
+                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}/data\nhttp:\n  addr: \"{listen}\"\n{extra}",
                 dir.display()
             ),
         )
@@ -587,9 +628,18 @@ impl Image {
 
     /// Pushes with skopeo to `<registry>/<repo>:<tag>`; digests are kept.
     pub fn push(&self, registry: SocketAddr, repo: &str) {
+        self.push_as(registry, repo, None)
+    }
+
+    /// As [`Image::push`], with `user:password` for the registry when given.
+    pub fn push_as(&self, registry: SocketAddr, repo: &str, user: Option<&str>) {
         require("skopeo");
-        let out = Command::new("skopeo")
-            .args(["copy", "--all", "--dest-tls-verify=false"])
+        let mut cmd = Command::new("skopeo");
+        cmd.args(["copy", "--all", "--dest-tls-verify=false"]);
+        if let Some(user) = user {
+            cmd.arg(format!("--dest-creds={user}"));
+        }
+        let out = cmd
             .arg(format!("oci:{}:{}", self.layout.display(), self.tag))
             .arg(format!("docker://{registry}/{repo}:{}", self.tag))
             .output()
