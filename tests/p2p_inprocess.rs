@@ -974,3 +974,97 @@ async fn a_node_without_the_cluster_key_cannot_join_or_poison_records() {
         stop(n).await;
     }
 }
+
+/// A peer address that accepts connections and never answers (a hung process, a middlebox)
+/// costs a dial the connection timeout (libp2p's, 10 s), not forever: the node dials again,
+/// and would reach any other node it is given. A client that connects to a node's p2p port
+/// and says nothing is cut after the same time, and neither it nor one that hangs up at once
+/// (a port scan, a TCP health check) is taken for a node with another secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_answers_costs_a_dial_its_timeout_and_a_quiet_client_is_cut() {
+    let tmp = tempfile::tempdir().unwrap();
+    let key = Some(ClusterSecret::from_bytes(b"the cluster's own secret, 32+ bytes").pnet_key());
+    let hung = std::net::TcpListener::bind((LOOPBACK, 0)).unwrap();
+    let hung_addr = hung.local_addr().unwrap();
+    hung.set_nonblocking(true).unwrap();
+    let stop_holding = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let holding = stop_holding.clone();
+    let held = std::thread::spawn(move || {
+        // Accept and hold every connection, never writing a byte, until told to stop.
+        let mut held = Vec::new();
+        while !holding.load(std::sync::atomic::Ordering::Relaxed) {
+            match hung.accept() {
+                Ok((conn, _)) => held.push(conn),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        held.len()
+    });
+    let p2p = SocketAddr::new(LOOPBACK, free_port());
+    let node = start_with_key(
+        &tmp.path().join("a"),
+        p2p,
+        SocketAddr::new(LOOPBACK, free_port()),
+        &[hung_addr],
+        key,
+    );
+    let started = Instant::now();
+    // The node keeps up to `DEFAULT_BOOTSTRAP_DIALS` dials in flight (here all to the one
+    // address it was given, within its first second); each hangs until the timeout, and
+    // only then is another made.
+    let bound = Duration::from_secs(40);
+    while node.metrics.bootstrap_dials.get() <= DEFAULT_BOOTSTRAP_DIALS as u64 {
+        assert!(
+            started.elapsed() < bound,
+            "the dial to a peer that never answers was never given up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "a dial past the limit came {:?} after the start: the first cannot have waited for its timeout",
+        started.elapsed()
+    );
+    stop_holding.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        held.join().unwrap() >= DEFAULT_BOOTSTRAP_DIALS,
+        "the dials reached the peer"
+    );
+
+    // A client that connects and says nothing is cut; it and a port scan are not counted as
+    // another secret.
+    let quiet = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let mut conn = std::net::TcpStream::connect(p2p).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(40)))
+            .unwrap();
+        // It gets the node's nonce (the private-network handshake), then an end.
+        let mut buf = [0u8; 64];
+        let started = Instant::now();
+        let ended = loop {
+            match conn.read(&mut buf) {
+                Ok(n) if n > 0 => continue,
+                other => break other,
+            }
+        };
+        (ended.map_err(|e| e.kind()), started.elapsed())
+    });
+    drop(std::net::TcpStream::connect(p2p).unwrap());
+    let (ended, after) = quiet.await.unwrap();
+    assert!(
+        matches!(ended, Ok(0)) || matches!(ended, Err(std::io::ErrorKind::ConnectionReset)),
+        "the quiet client was not cut: {ended:?} after {after:?}"
+    );
+    assert!(after < Duration::from_secs(40));
+    assert_eq!(
+        node.metrics
+            .peer_handshake_failures
+            .get_or_create(&DirectionLabels {
+                direction: "incoming"
+            })
+            .get(),
+        0,
+        "a quiet client or a port scan is not a node with another secret"
+    );
+    stop(node).await;
+}

@@ -447,21 +447,23 @@ impl EventLoop {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
                 // A refused or unreachable address is a node not up yet; a failed handshake
                 // is a node that answered and could not agree on the key: another secret.
-                if key_check::is_handshake_failure(&error.to_string()) {
+                if key_check::dial_failed_handshake(&key_check::causes(&error)) {
                     self.handshake_failed("outgoing", &error.to_string());
                 }
                 if let Some(peer) = peer_id {
                     self.awaiting_identify.remove(&peer);
                 }
             }
-            // Every incoming connection that fails did connect: it failed the handshake.
             SwarmEvent::IncomingConnectionError {
                 send_back_addr,
                 error,
                 ..
             } => {
-                tracing::debug!(%send_back_addr, %error, "incoming connection failed");
-                self.handshake_failed("incoming", &format!("from {send_back_addr}: {error}"));
+                let causes = key_check::causes(&error);
+                tracing::debug!(%send_back_addr, error = %causes, "incoming connection failed");
+                if key_check::incoming_failed_handshake(&causes) {
+                    self.handshake_failed("incoming", &format!("from {send_back_addr}: {causes}"));
+                }
             }
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::debug!(%address, "listening for peers");

@@ -30,11 +30,35 @@ pub(super) const NEGOTIATION_HEADER: &[u8; 20] = b"\x13/multistream/1.0.0\n";
 /// read ours as garbage, or a Ferry with a different one).
 pub(super) const PNET_HANDSHAKE_FAILED: &str = "private-network handshake failed";
 
-/// Whether a dial's error (libp2p keeps the cause only in the text) is a node that answered
-/// and could not agree with this one: noise failing after the negotiation, or the
-/// private-network handshake. A refused or unreachable address is a node not up yet.
-pub(super) fn is_handshake_failure(dial_error: &str) -> bool {
-    dial_error.contains("Handshake failed") || dial_error.contains(PNET_HANDSHAKE_FAILED)
+/// What [`expect_same_key`] says when the first bytes are wrong.
+const KEY_MISMATCH: &str = "different cluster secret";
+
+/// Whether a dial's error (its causes, as text: libp2p keeps no other trace of them) is a
+/// node that answered and could not agree with this one: noise failing after the
+/// negotiation, or the private-network handshake closed on. A refused or unreachable address
+/// is a node not up yet, a timeout one that is down or hung.
+pub(super) fn dial_failed_handshake(causes: &str) -> bool {
+    causes.contains("Handshake failed") || causes.contains(PNET_HANDSHAKE_FAILED)
+}
+
+/// Whether an incoming connection's error is a dialler that spoke with another key (or as
+/// a node without one): not one that closed or went quiet before sending anything (a port
+/// scan, a TCP health check, a hung client cut by the upgrade timeout).
+pub(super) fn incoming_failed_handshake(causes: &str) -> bool {
+    causes.contains(KEY_MISMATCH) || causes.contains("Handshake failed")
+}
+
+/// An error and its causes, `: `-separated, as libp2p prints a dial's (a listen error prints
+/// none of them).
+pub(super) fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
 }
 
 /// Reads the dialler's first bytes on `stream` (after the private-network handshake): the
@@ -46,7 +70,9 @@ pub(super) async fn expect_same_key<S: AsyncRead + Unpin>(mut stream: S) -> io::
     if &first != NEGOTIATION_HEADER {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "the dialler's first bytes are not a libp2p handshake once decrypted: it holds a different cluster secret (or is not a Ferry)",
+            format!(
+                "the dialler's first bytes are not a libp2p handshake once decrypted: it holds a {KEY_MISMATCH} (or none, or is not a Ferry)"
+            ),
         ));
     }
     Ok(Replay {
@@ -169,8 +195,25 @@ mod tests {
                 false,
             ),
         ] {
-            assert_eq!(is_handshake_failure(error), failed_handshake, "{error}");
+            assert_eq!(dial_failed_handshake(error), failed_handshake, "{error}");
         }
+    }
+
+    #[tokio::test]
+    async fn incoming_errors_that_are_a_node_with_another_key() {
+        let mismatch = expect_same_key(Cursor::new(vec![0x55; 40]))
+            .await
+            .unwrap_err();
+        let wrapped = io::Error::other(mismatch);
+        assert!(
+            incoming_failed_handshake(&causes(&wrapped)),
+            "{}",
+            causes(&wrapped)
+        );
+        let probe = expect_same_key(Cursor::new(Vec::new())).await.unwrap_err();
+        assert!(!incoming_failed_handshake(&causes(&probe)), "a TCP probe");
+        let quiet = io::Error::new(io::ErrorKind::TimedOut, "Timeout has been reached");
+        assert!(!incoming_failed_handshake(&causes(&quiet)), "a hung client");
     }
 
     #[tokio::test]
