@@ -195,9 +195,14 @@ impl PeerSetup {
     /// `None` (with a warning) when this host has no address other nodes could reach.
     pub fn from_settings(config: &Config, settings: &P2pSettings) -> Option<PeerSetup> {
         let data_dir = &config.data_dir;
-        let Some(advertise) = settings.advertise_addr.or_else(first_non_loopback_ip) else {
+        let picked = || {
+            let chosen = crate::host_addr::reachable_ip()?;
+            tracing::info!(ip = %chosen.ip, interface = %chosen.interface, why = chosen.why, "advertise address picked; set --advertise-addr to choose another");
+            Some(chosen.ip)
+        };
+        let Some(advertise) = settings.advertise_addr.or_else(picked) else {
             tracing::warn!(
-                "no non-loopback address found: peer-to-peer is off; set --advertise-addr"
+                "no address other nodes could reach (only loopback or link-local): peer-to-peer is off; set --advertise-addr"
             );
             return None;
         };
@@ -260,26 +265,6 @@ impl PeerSetup {
             },
         })
     }
-}
-
-/// The address other nodes most likely reach this one at: the first IPv4 address that is not
-/// loopback, else the first global-looking IPv6 one.
-fn first_non_loopback_ip() -> Option<IpAddr> {
-    let addrs = if_addrs::get_if_addrs().ok()?;
-    let usable: Vec<IpAddr> = addrs
-        .iter()
-        .map(|i| i.ip())
-        .filter(|ip| !ip.is_loopback())
-        .collect();
-    usable
-        .iter()
-        .find(|ip| ip.is_ipv4())
-        .or_else(|| {
-            usable
-                .iter()
-                .find(|ip| matches!(ip, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) != 0xfe80))
-        })
-        .copied()
 }
 
 /// Serves on already-bound listeners until `shutdown`, then drains. The hosts.toml entries

@@ -124,7 +124,7 @@ pub struct Flags {
     /// libp2p (TCP) listen address [default: 0.0.0.0:5482]
     #[arg(long, global = true, env = "FERRY_P2P_ADDR", value_name = "ADDR")]
     pub p2p_addr: Option<String>,
-    /// The IP other nodes reach this node at [default: the first non-loopback address]
+    /// The IP other nodes reach this node at [default: the default route's interface's address]
     #[arg(long, global = true, env = "FERRY_ADVERTISE_ADDR", value_name = "IP")]
     pub advertise_addr: Option<String>,
     /// Comma-separated host:port (or multiaddrs) of other nodes' p2p addresses

@@ -107,7 +107,7 @@ pub struct P2pSettings {
     /// `None`: `<advertise-addr>:5481`.
     pub peer_addr: Option<SocketAddr>,
     pub p2p_addr: SocketAddr,
-    /// `None`: the first non-loopback address of this host.
+    /// `None`: an address of the interface with the default route (`host_addr.rs`).
     pub advertise_addr: Option<IpAddr>,
     pub bootstrap_peers: Vec<libp2p::Multiaddr>,
     pub bootstrap_dns: Option<String>,

@@ -23,6 +23,7 @@
 //!   peer network, a changed cluster secret, no peers), shown in `/readyz` and a metric.
 //! - [`kubernetes`]: peer bootstrap from the DaemonSet's pods, the node-ready taint.
 //! - [`limits`]: connection and in-flight request bounds on the listeners.
+//! - [`host_addr`]: the address other nodes reach this one at, when none is given.
 //! - [`server`]: the HTTP accept loop (header read timeout, graceful drain).
 //! - [`metrics`]: every metric family in one place.
 
@@ -32,6 +33,7 @@ pub mod coalesce;
 pub mod config;
 pub mod containerd_config;
 pub mod debug_page;
+pub mod host_addr;
 pub mod kubernetes;
 pub mod limits;
 pub mod metrics;
