@@ -506,3 +506,61 @@ fn a_flag_given_twice_takes_its_last_value() {
     assert!(last.join("docker.io/hosts.toml").exists());
     assert!(!first.exists(), "the first value was used");
 }
+
+/// Without `--advertise-addr` (the systemd install; the chart passes the node's IP), Ferry
+/// advertises an address of the interface that carries the default route, not the first one
+/// listed: in a network namespace whose first interface (`eth0`) has no default route and a
+/// later one (`uplink0`) has it, the peer address is `uplink0`'s. (The first address listed
+/// is often docker0's or a CNI bridge's, which no other node can reach.) Needs root.
+#[test]
+fn without_an_advertise_address_the_default_routes_interface_is_advertised() {
+    let mut net = support::netns::Net::new();
+    let ns = net.add_host("adv", 5);
+    let ip = |args: &[&str]| {
+        let status = Command::new("ip")
+            .args(["-n", &ns])
+            .args(args)
+            .status()
+            .unwrap();
+        assert!(status.success(), "ip {args:?}");
+    };
+    // A veth pair inside the namespace (this kernel has no `dummy` interfaces).
+    ip(&[
+        "link", "add", "uplink0", "type", "veth", "peer", "name", "uplink1",
+    ]);
+    ip(&["addr", "add", "192.168.77.7/24", "dev", "uplink0"]);
+    ip(&["link", "set", "uplink1", "up"]);
+    ip(&["link", "set", "uplink0", "up"]);
+    ip(&["route", "add", "default", "dev", "uplink0"]);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cmd = support::in_netns(Some(&ns), Ferry::bin().to_str().unwrap());
+    cmd.args(["run", "--hosts-dir"])
+        .arg(tmp.path().join("certs.d"))
+        .args(["--containerd-socket", "/nonexistent/containerd.sock"])
+        .args(["--containerd-config", "/nonexistent/containerd.toml"])
+        .arg("--data-dir")
+        .arg(tmp.path().join("data"));
+    let log = tmp.path().join("ferry.log");
+    let run = support::Proc::spawn(cmd, log.clone());
+    support::wait_for("the peer-to-peer node to start", || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("peer-to-peer node started"))
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    let picked = text
+        .lines()
+        .find(|l| l.contains("advertise address picked"))
+        .unwrap_or_else(|| panic!("no pick logged: {text}"));
+    assert!(
+        picked.contains("ip=192.168.77.7") && picked.contains("interface=uplink0"),
+        "{picked}"
+    );
+    let started = text
+        .lines()
+        .find(|l| l.contains("peer-to-peer node started"))
+        .unwrap();
+    assert!(started.contains("peer_addr=192.168.77.7:5481"), "{started}");
+    drop(run);
+    drop(tmp);
+    drop(net);
+}
