@@ -130,13 +130,13 @@ fn choose(
         .or_else(|| {
             pick(
                 first(true, true),
-                "no default route: the first IPv4 address",
+                "no usable default route: the first IPv4 address",
             )
         })
         .or_else(|| {
             pick(
                 first(false, true),
-                "no default route: the first IPv6 address",
+                "no usable default route: the first IPv6 address",
             )
         })
         .or_else(|| pick(first(true, false), "only on a bridge or virtual interface"))

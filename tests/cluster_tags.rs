@@ -252,6 +252,7 @@ fn copy_without_ferry(from: &Path, to: &Path) {
 /// The statuses the registry answered `node`'s `request` (`METHOD URI`) with, from its access
 /// log (requests it refused are in no other line).
 fn statuses(registry: &Registry, node: &Node, request: &str) -> Vec<String> {
+    registry.requests(); // waits until the log stops growing
     let prefix = format!("{} - - [", node.ip);
     let quoted = format!("\"{request} HTTP/1.1\" ");
     registry
@@ -364,6 +365,9 @@ fn a_private_tag_needs_the_pull_secret_on_every_node_and_digests_come_from_peers
     }
 
     // Node 3, by digest, without credentials: nothing asks the registry (README, Security).
+    wait_for("node 3 connected", || {
+        node3.metric("ferry_peers_connected") >= 1
+    });
     let before = registry.requests().len();
     let pinned = format!("{registry_addr}/tenant/app@{}", image.manifest);
     node3

@@ -25,27 +25,30 @@ use futures::{AsyncRead, AsyncReadExt, AsyncWrite};
 /// `/multistream/1.0.0\n` behind its length (19, one varint byte).
 pub(super) const NEGOTIATION_HEADER: &[u8; 20] = b"\x13/multistream/1.0.0\n";
 
-/// Starts the error of a private-network handshake that failed once connected: the other
-/// side closed the connection instead of sending its nonce (a node without a secret, having
-/// read ours as garbage, or a Ferry with a different one).
+/// Starts the error of a private-network handshake that failed once connected (for the
+/// log: the other side closed on our nonce, or went away).
 pub(super) const PNET_HANDSHAKE_FAILED: &str = "private-network handshake failed";
 
 /// What [`expect_same_key`] says when the first bytes are wrong.
-const KEY_MISMATCH: &str = "different cluster secret";
+const KEY_MISMATCH: &str = "cluster secrets differ";
 
 /// Whether a dial's error (its causes, as text: libp2p keeps no other trace of them) is a
 /// node that answered and could not agree with this one: noise failing after the
-/// negotiation, or the private-network handshake closed on. A refused or unreachable address
-/// is a node not up yet, a timeout one that is down or hung.
+/// negotiation, which is how a listener's check (or an older node's garbled negotiation)
+/// ends a dial with another key. A refused or unreachable address is a node not up yet, a
+/// timeout one that is down or hung; a private-network handshake cut before the other's
+/// nonce is a node going away as often as a node without a secret (which says so itself,
+/// on its incoming side), so it is not counted either.
 pub(super) fn dial_failed_handshake(causes: &str) -> bool {
-    causes.contains("Handshake failed") || causes.contains(PNET_HANDSHAKE_FAILED)
+    causes.contains("Handshake failed")
 }
 
-/// Whether an incoming connection's error is a dialler that spoke with another key (or as
-/// a node without one): not one that closed or went quiet before sending anything (a port
-/// scan, a TCP health check, a hung client cut by the upgrade timeout).
+/// Whether an incoming connection's error is a dialler with another key (or none when this
+/// node has one, or the reverse): only the check above can say so. A dialler that went away
+/// mid-handshake (a dial it won elsewhere, its own timeout), closed or stayed quiet before
+/// sending anything (a port scan, a TCP health check) is not counted.
 pub(super) fn incoming_failed_handshake(causes: &str) -> bool {
-    causes.contains(KEY_MISMATCH) || causes.contains("Handshake failed")
+    causes.contains(KEY_MISMATCH)
 }
 
 /// An error and its causes, `: `-separated, as libp2p prints a dial's (a listen error prints
@@ -71,7 +74,7 @@ pub(super) async fn expect_same_key<S: AsyncRead + Unpin>(mut stream: S) -> io::
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
-                "the dialler's first bytes are not a libp2p handshake once decrypted: it holds a {KEY_MISMATCH} (or none, or is not a Ferry)"
+                "the dialler's first bytes are not a libp2p handshake once decrypted: the {KEY_MISMATCH} (one side may have none), or it is not a Ferry"
             ),
         ));
     }
@@ -168,10 +171,7 @@ mod tests {
         garbage.extend_from_slice(b"more");
         let err = expect_same_key(Cursor::new(garbage)).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
-        assert!(
-            err.to_string().contains("different cluster secret"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("cluster secrets differ"), "{err}");
     }
 
     #[test]
@@ -184,7 +184,7 @@ mod tests {
             ),
             (
                 "Failed to negotiate transport protocol(s): [(/ip4/10.0.0.2/tcp/5482: : private-network handshake failed: Handshake error: early eof)]",
-                true,
+                false,
             ),
             (
                 "Failed to negotiate transport protocol(s): [(/ip4/10.0.0.2/tcp/5482: : Connection refused (os error 111))]",
@@ -214,6 +214,11 @@ mod tests {
         assert!(!incoming_failed_handshake(&causes(&probe)), "a TCP probe");
         let quiet = io::Error::new(io::ErrorKind::TimedOut, "Timeout has been reached");
         assert!(!incoming_failed_handshake(&causes(&quiet)), "a hung client");
+        let gone = io::Error::other("Handshake failed: Connection reset by peer");
+        assert!(
+            !incoming_failed_handshake(&causes(&gone)),
+            "a dialler gone mid-noise"
+        );
     }
 
     #[tokio::test]

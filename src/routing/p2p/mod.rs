@@ -27,6 +27,7 @@ use futures::future::Either;
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::core::transport::Boxed;
 use libp2p::core::upgrade::Version;
+use libp2p::core::{ConnectedPoint, Endpoint};
 use libp2p::identity::Keypair;
 use libp2p::pnet::{PnetConfig, PreSharedKey};
 use libp2p::{PeerId, SwarmBuilder, Transport, noise, tcp, yamux};
@@ -283,7 +284,15 @@ fn peer_transport(
                     ),
                     None => Either::Right(socket),
                 };
-                if endpoint.is_listener() {
+                // The side that answers multistream-select reads the header: the listener,
+                // or a dialler told to act as one (libp2p's `upgrade::apply` does the same).
+                let answering = match endpoint {
+                    ConnectedPoint::Listener { .. } => true,
+                    ConnectedPoint::Dialer { role_override, .. } => {
+                        role_override == Endpoint::Listener
+                    }
+                };
+                if answering {
                     key_check::expect_same_key(stream).await
                 } else {
                     Ok(key_check::Replay::unread(stream))
