@@ -447,8 +447,9 @@ impl EventLoop {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
                 // A refused or unreachable address is a node not up yet; a failed handshake
                 // is a node that answered and could not agree on the key: another secret.
-                if key_check::dial_failed_handshake(&key_check::causes(&error)) {
-                    self.handshake_failed("outgoing", &error.to_string());
+                let text = error.to_string();
+                if key_check::dial_failed_handshake(&text) {
+                    self.handshake_failed("outgoing", &text);
                 }
                 if let Some(peer) = peer_id {
                     self.awaiting_identify.remove(&peer);

@@ -23,16 +23,13 @@ use futures::{AsyncRead, AsyncReadExt, AsyncWrite};
 
 /// The first bytes every libp2p dialler sends: multistream-select's header,
 /// `/multistream/1.0.0\n` behind its length (19, one varint byte).
-pub(super) const NEGOTIATION_HEADER: &[u8; 20] = b"\x13/multistream/1.0.0\n";
-
-/// Starts the error of a private-network handshake that failed once connected (for the
-/// log: the other side closed on our nonce, or went away).
-pub(super) const PNET_HANDSHAKE_FAILED: &str = "private-network handshake failed";
+const NEGOTIATION_HEADER: &[u8; 20] = b"\x13/multistream/1.0.0\n";
 
 /// What [`expect_same_key`] says when the first bytes are wrong.
 const KEY_MISMATCH: &str = "cluster secrets differ";
 
-/// Whether a dial's error (its causes, as text: libp2p keeps no other trace of them) is a
+/// Whether a dial's error (its text, which lists its causes: libp2p keeps no other trace of
+/// them) is a
 /// node that answered and could not agree with this one: noise failing after the
 /// negotiation, which is how a listener's check (or an older node's garbled negotiation)
 /// ends a dial with another key. A refused or unreachable address is a node not up yet, a
@@ -51,8 +48,8 @@ pub(super) fn incoming_failed_handshake(causes: &str) -> bool {
     causes.contains(KEY_MISMATCH)
 }
 
-/// An error and its causes, `: `-separated, as libp2p prints a dial's (a listen error prints
-/// none of them).
+/// An error and its causes, `: `-separated, as libp2p prints a dial's: a listen error prints
+/// none of them.
 pub(super) fn causes(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut next = error.source();

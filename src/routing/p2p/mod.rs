@@ -277,8 +277,7 @@ fn peer_transport(
                             .await
                             .map_err(|e| {
                                 std::io::Error::other(format!(
-                                    "{}: {e}",
-                                    key_check::PNET_HANDSHAKE_FAILED
+                                    "private-network handshake failed: {e}"
                                 ))
                             })?,
                     ),
