@@ -370,10 +370,9 @@ pub async fn serve(
         (Some((router, _, (_, Some(follow_timeout)), _)), Some(fetcher)) => {
             Some(Arc::new(Coalescer::new(
                 router.clone(),
+                store.clone(),
                 CoalesceConfig {
                     follow_timeout: *follow_timeout,
-                    content_dir: config.containerd_content_dir.clone(),
-                    namespace: config.containerd_namespace.clone(),
                 },
                 metrics.clone(),
                 fetcher.clone(),
@@ -413,7 +412,7 @@ pub async fn serve(
             coalesce,
             integrity: peers.as_ref().map(|(router, _, _, _)| {
                 Arc::new(Integrity::new(
-                    config.containerd_content_dir.clone(),
+                    store.clone(),
                     router.clone(),
                     metrics.clone(),
                 ))

@@ -252,6 +252,84 @@ fn containerd_store_passes_the_store_conformance_check() {
     });
 }
 
+/// Downloads written by `ctr content ingest`, which streams its standard input into
+/// containerd's content service as a pull does: the bytes land in containerd's own ingest.
+struct CtrIngest<'a> {
+    node: &'a Containerd,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+struct CtrWriter {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl conformance::DownloadDriver for CtrIngest<'_> {
+    fn start(
+        &self,
+        digest: &ferry::oci::Digest,
+        total: u64,
+        own_namespace: bool,
+    ) -> Box<dyn conformance::DownloadWriter> {
+        let ns = if own_namespace { "k8s.io" } else { "default" };
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut child = std::process::Command::new("ctr")
+            .arg("--address")
+            .arg(&self.node.socket)
+            .args(["-n", ns, "content", "ingest"])
+            .args(["--expected-size", &total.to_string()])
+            .args(["--expected-digest", &digest.to_string()])
+            .arg(format!("conformance-{n}-layer-{digest}"))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("ctr content ingest");
+        let stdin = child.stdin.take();
+        Box::new(CtrWriter { child, stdin })
+    }
+}
+
+impl conformance::DownloadWriter for CtrWriter {
+    fn append(&mut self, bytes: &[u8]) {
+        let stdin = self.stdin.as_mut().expect("still writing");
+        stdin.write_all(bytes).expect("to ctr");
+        stdin.flush().expect("to ctr");
+    }
+
+    /// The end of its input: `ctr` commits the download under its digest.
+    fn commit(&mut self) {
+        drop(self.stdin.take());
+        let status = self.child.wait().expect("ctr content ingest");
+        assert!(status.success(), "ctr content ingest committed");
+    }
+
+    /// `ctr` cannot abort a download it does not own.
+    fn abort(&mut self) -> bool {
+        false
+    }
+}
+
+impl Drop for CtrWriter {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn containerds_downloads_in_progress_pass_the_download_checks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = Containerd::start(&tmp.path().join("containerd"));
+    let driver = CtrIngest {
+        node: &node,
+        next: std::sync::atomic::AtomicUsize::new(0),
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let store = ContainerdStore::new(node.socket.clone(), "k8s.io".into(), node.content_dir());
+        conformance::check_downloads(&store, &driver).await;
+    });
+}
+
 #[test]
 fn bad_requests_get_the_specs_errors_and_never_a_file_outside_the_store() {
     let w = World::new();

@@ -20,7 +20,7 @@
 //!    flight) and answers 404 at once: its containerd goes upstream as it always did.
 //! 4. A follower's Ferry asks the leader's peer address for the blob with [`FOLLOW_HEADER`].
 //!    The leader waits up to `--follow-timeout` for its containerd's download to start and
-//!    streams it out of containerd's ingest as it lands (`inflight.rs`). The follower hashes
+//!    streams it out of containerd's download as it lands (`store::downloads`). The follower hashes
 //!    it on the way and holds back the last chunk until the digest checks out (the peer path's
 //!    verifying body).
 //! 5. A follower that gets nothing from the leader in time reports it in a new claim, which
@@ -33,20 +33,19 @@
 //! mid-storm, or a mixed-version rollout where older nodes still hash over their connected
 //! members) give two coordinators and so at worst two upstream fetches, never a failure.
 
-pub mod inflight;
 pub mod leases;
 pub mod local;
 pub mod rendezvous;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::metrics::{CoalesceLabels, Metrics};
 use crate::oci::Digest;
 use crate::routing::{Peer, Router};
-use inflight::{Ingest, Landing};
+use crate::store::ContentStore;
+use crate::store::downloads::{self, Landing, Scope};
 use leases::{Grant, LEASE, Leases};
 use local::{Transfer, Transfers};
 
@@ -71,9 +70,6 @@ pub struct CoalesceConfig {
     /// How long a follower waits for the leader's first byte, and a leader for its own
     /// containerd's download to start.
     pub follow_timeout: Duration,
-    /// containerd's content directory and namespace: where a leader's downloads land.
-    pub content_dir: PathBuf,
-    pub namespace: String,
 }
 
 /// What a claim decided for one miss.
@@ -90,6 +86,8 @@ pub enum Decision {
 /// One node's part: its coordinator table, the digests it leads, and claiming.
 pub struct Coalescer {
     router: Arc<dyn Router>,
+    /// Where this node's downloads land.
+    store: Arc<dyn ContentStore>,
     config: CoalesceConfig,
     metrics: Arc<Metrics>,
     leases: Leases,
@@ -124,12 +122,14 @@ pub trait ClaimSender: Send + Sync + 'static {
 impl Coalescer {
     pub fn new(
         router: Arc<dyn Router>,
+        store: Arc<dyn ContentStore>,
         config: CoalesceConfig,
         metrics: Arc<Metrics>,
         claims: Arc<dyn ClaimSender>,
     ) -> Coalescer {
         Coalescer {
             router,
+            store,
             config,
             metrics,
             leases: Leases::default(),
@@ -198,14 +198,13 @@ impl Coalescer {
     /// must live as long as the response (see `local.rs`).
     pub async fn share_local(&self, digest: &Digest) -> (Transfer, Landing) {
         let transfer = self.transfers.begin(digest);
-        let content_dir = &self.config.content_dir;
-        let committed = crate::store::containerd::files::blob_path(content_dir, digest);
+        let store = self.store.as_ref();
         if transfer.first && !self.leads(digest) {
             // Another namespace of this node's containerd may have committed it a moment ago
             // (its request over before this one came; Ferry's store lists one namespace):
             // read that file rather than fetch it a second time. Seen with a small config blob
             // on containerd 1.7, pulled into two namespaces at once.
-            let landed = if committed.exists() {
+            let landed = if store.landed(digest).await.is_some() {
                 self.count("local", "committed");
                 Landing::Committed
             } else {
@@ -213,22 +212,20 @@ impl Coalescer {
             };
             return (transfer, landed);
         }
-        let (dir, d) = (content_dir.clone(), digest.clone());
-        let candidates =
-            tokio::task::spawn_blocking(move || Ingest::find_all(&dir, &d, SHARE_FRESH))
-                .await
-                .unwrap_or_default();
+        let fresh = Scope::AnyFresh(SHARE_FRESH);
+        let candidates = store.downloads(digest, fresh).await;
         // A single download is the requester's own (containerd opens its writer before it
         // asks): there is nothing else to read, unless the other one has just landed.
         if candidates.len() < 2 {
-            let landed = if committed.exists() {
+            let landed = if store.landed(digest).await.is_some() {
                 Landing::Committed
             } else {
                 Landing::Nothing
             };
             return (transfer, landed);
         }
-        let found = Ingest::growing(candidates, &committed, self.config.follow_timeout).await;
+        let wait = self.config.follow_timeout;
+        let found = downloads::growing(store, digest, candidates, wait).await;
         let result = match found {
             Landing::InFlight(_) => "shared",
             Landing::Committed => "committed",

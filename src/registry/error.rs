@@ -28,6 +28,10 @@ pub enum ApiError {
     /// The same answer whatever was wrong and whatever was asked: nothing about what exists.
     #[error("authentication required")]
     Unauthorized,
+    /// An answer that could not be built (a header value the store or a peer gave is not
+    /// valid HTTP): a miss, so containerd moves on, never an empty success.
+    #[error("the answer could not be built: {0}")]
+    Build(#[from] axum::http::Error),
 }
 
 impl ApiError {
@@ -68,6 +72,7 @@ impl ApiError {
             ApiError::Unsupported => (StatusCode::NOT_FOUND, ErrorCode::Unsupported),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, ErrorCode::Unsupported),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized),
+            ApiError::Build(_) => (StatusCode::NOT_FOUND, ErrorCode::BlobUnknown),
         }
     }
 }
@@ -86,6 +91,9 @@ fn log_store_error(e: &StoreError) {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        if let ApiError::Build(e) = &self {
+            tracing::error!(error = %e, "an answer could not be built; answering 404");
+        }
         let (status, code) = self.status_and_code();
         let mut response = (
             status,

@@ -1,6 +1,7 @@
-//! Answers out of a download in progress (`coalesce::inflight`), for both routers: a
-//! follower on the peer address, and a second request of this node's containerd on the
-//! mirror (`coalesce::local`).
+//! Answers out of a download in progress (`store::downloads`), for both routers: a follower
+//! on the peer address, and a second request of this node's containerd on the mirror
+//! (`coalesce::local`). Invariant: one place opens a download for a request ([`open`]) and one
+//! builds its answer ([`respond`]).
 
 use std::time::Duration;
 
@@ -10,11 +11,14 @@ use axum::response::Response;
 use futures::TryStreamExt;
 use prometheus_client::metrics::counter::Counter;
 
+use tokio::time::Instant;
+
 use super::ApiError;
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, sniff_media_type};
 use crate::oci::range::{self, ByteRange};
 use crate::oci::{DOCKER_CONTENT_DIGEST, Digest};
-use crate::store::{ByteStream, StoreError};
+use crate::store::downloads::{self, InFlight};
+use crate::store::{ByteStream, ContentStore, StoreError};
 
 /// A download that lands nothing for this long is given up on by the streams reading it
 /// (their askers resume elsewhere): as `--peer-idle-timeout`'s default.
@@ -48,19 +52,103 @@ pub struct InFlightBody {
     pub stream: ByteStream,
     pub total: u64,
     pub range: Option<ByteRange>,
-    /// Check the whole blob on the way (see `inflight::verified`); ranges cannot be.
-    pub verify: bool,
+}
+
+/// What opening a download for a request found.
+pub enum Opened {
+    Body(InFlightBody),
+    /// It landed before it could be opened: answer from the landed blob.
+    Landed,
+    /// It landed nothing before the deadline: not to be followed.
+    Stalled,
+}
+
+/// Opens `download` from the request's range (to the end) on. With `alive_by`, only a download
+/// that is alive by then: a follower whose leader has nothing (its containerd died, its
+/// upstream refused) hears so in time to go upstream itself, instead of stalling mid-body.
+pub async fn open(
+    download: &InFlight,
+    headers: &HeaderMap,
+    alive_by: Option<Instant>,
+) -> Result<Opened, ApiError> {
+    let total = download.total();
+    let range = range_to_end(headers, total)?;
+    let start = range.map_or(0, |r| r.start);
+    if let Some(deadline) = alive_by
+        && !downloads::alive(download.as_ref(), start, IDLE, deadline).await
+    {
+        return Ok(if download.landed().await.is_none() {
+            Opened::Landed
+        } else {
+            Opened::Stalled
+        });
+    }
+    match download.read_from(start, IDLE).await {
+        Ok(stream) => Ok(Opened::Body(InFlightBody {
+            stream,
+            total,
+            range,
+        })),
+        // Committed (renamed away) between being found and being opened, as a small blob
+        // often is.
+        Err(e) => {
+            tracing::debug!(error = %e, "the download landed before it was opened");
+            Ok(Opened::Landed)
+        }
+    }
+}
+
+/// A landed blob ([`ContentStore::landed`], in any containerd namespace), from the request's
+/// range (to the end) on.
+pub async fn open_landed(
+    store: &dyn ContentStore,
+    digest: &Digest,
+    headers: &HeaderMap,
+) -> Result<InFlightBody, ApiError> {
+    let total = store.landed(digest).await.ok_or(ApiError::BlobUnknown)?;
+    let range = range_to_end(headers, total)?;
+    let start = range.map_or(0, |r| r.start);
+    let (stream, total) = store
+        .open_landed(digest, start)
+        .await
+        .map_err(ApiError::blob)?;
+    Ok(InFlightBody {
+        stream,
+        total,
+        range,
+    })
+}
+
+/// The answer out of a download: a manifest read whole and checked, or a blob streamed as it
+/// lands (checked on the way when `verify`: the asker does not hash it itself).
+pub async fn respond(
+    head: bool,
+    manifest: bool,
+    digest: &Digest,
+    body: InFlightBody,
+    verify: bool,
+    counter: Counter,
+) -> Result<Response, ApiError> {
+    if manifest {
+        return self::manifest(head, digest, body.stream, body.total).await;
+    }
+    blob(head, digest, body, verify, counter)
 }
 
 /// A blob's response, streamed as its download lands. Content-Length is set: a stream that
 /// errors (the download aborted, stalled or did not match) makes hyper cut the connection,
 /// and the asker resumes elsewhere; never a short blob.
-pub fn blob(head: bool, digest: &Digest, body: InFlightBody, counter: Counter) -> Response {
+fn blob(
+    head: bool,
+    digest: &Digest,
+    body: InFlightBody,
+    verify: bool,
+    counter: Counter,
+) -> Result<Response, ApiError> {
     let InFlightBody {
         stream,
         total,
         range,
-        verify,
     } = body;
     let len = range.map_or(total, |r| r.len());
     let mut response = Response::builder()
@@ -79,21 +167,21 @@ pub fn blob(head: bool, digest: &Digest, body: InFlightBody, counter: Counter) -
         response = response.header(header::CONTENT_RANGE, v);
     }
     if head {
-        return response.body(Body::empty()).unwrap_or_default();
+        return Ok(response.body(Body::empty())?);
     }
     let stream = if verify && range.is_none() {
-        crate::coalesce::inflight::verified(stream, digest.clone(), total)
+        downloads::verified(stream, digest.clone(), total)
     } else {
         stream
     };
     let body = Body::from_stream(stream.inspect_ok(move |c| {
         counter.inc_by(c.len() as u64);
     }));
-    response.body(body).unwrap_or_default()
+    Ok(response.body(body)?)
 }
 
 /// A manifest in flight: read whole (they are small), checked, then served like a stored one.
-pub async fn manifest(
+async fn manifest(
     head: bool,
     digest: &Digest,
     stream: ByteStream,
@@ -123,5 +211,5 @@ pub async fn manifest(
     } else {
         Body::from(bytes)
     };
-    Ok(response.body(body).unwrap_or_default())
+    Ok(response.body(body)?)
 }

@@ -12,12 +12,13 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use crate::metrics::Metrics;
 use crate::oci::Digest;
 use crate::routing::{Router, digest_key};
+use crate::store::ContentStore;
 
 /// Verdicts kept at most (about 100 bytes each); beyond, they are forgotten and reached again.
 const MAX_VERDICTS: usize = 100_000;
@@ -44,7 +45,8 @@ struct FileId {
 }
 
 pub struct Integrity {
-    content_dir: PathBuf,
+    /// Where the blob files are.
+    store: Arc<dyn ContentStore>,
     /// To withdraw what this node must not serve.
     router: Arc<dyn Router>,
     metrics: Arc<Metrics>,
@@ -55,16 +57,18 @@ pub struct Integrity {
 
 impl std::fmt::Debug for Integrity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Integrity")
-            .field("content_dir", &self.content_dir)
-            .finish_non_exhaustive()
+        f.debug_struct("Integrity").finish_non_exhaustive()
     }
 }
 
 impl Integrity {
-    pub fn new(content_dir: PathBuf, router: Arc<dyn Router>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        store: Arc<dyn ContentStore>,
+        router: Arc<dyn Router>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Integrity {
-            content_dir,
+            store,
             router,
             metrics,
             verdicts: Mutex::new(HashMap::new()),
@@ -78,7 +82,9 @@ impl Integrity {
     /// few GiB takes, and a hash dropped with its request would be started again, from zero,
     /// by every later asker, so such a blob would never be served. Its verdict serves the next.
     pub async fn check(self: &Arc<Self>, digest: &Digest) -> Check {
-        let path = crate::store::containerd::files::blob_path(&self.content_dir, digest);
+        let Some(path) = self.store.blob_file(digest) else {
+            return Check::Unknown;
+        };
         let Some(id) = file_id(&path) else {
             return Check::Unknown;
         };
@@ -181,31 +187,29 @@ fn hash_file(path: &Path, digest: &Digest) -> std::io::Result<bool> {
 mod tests {
     use super::*;
     use crate::routing::memory::MemoryNetwork;
+    use crate::store::memory::MemoryStore;
+    use std::path::PathBuf;
 
-    fn setup(bytes: &[u8]) -> (tempfile::TempDir, Digest, PathBuf) {
+    /// A store keeping `bytes` as a file, as containerd's content directory does.
+    fn setup(bytes: &[u8]) -> (tempfile::TempDir, Arc<dyn ContentStore>, Digest, PathBuf) {
         let tmp = tempfile::tempdir().unwrap();
-        let digest = Digest::sha256_of(bytes);
-        let path = crate::store::containerd::files::blob_path(tmp.path(), &digest);
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, bytes).unwrap();
-        (tmp, digest, path)
+        let store = MemoryStore::with_files(tmp.path());
+        let digest = store.put(bytes.to_vec());
+        let path = store.blob_file(&digest).unwrap();
+        (tmp, Arc::new(store), digest, path)
     }
 
     #[tokio::test]
     async fn a_blob_is_hashed_once_and_again_only_when_its_file_changes() {
         let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-        let (tmp, digest, path) = setup(&bytes);
+        let (_tmp, store, digest, path) = setup(&bytes);
         let me = crate::routing::Peer {
             id: "a".into(),
             addr: "127.0.0.1:1".parse().unwrap(),
         };
         let router: Arc<dyn Router> = Arc::new(MemoryNetwork::new().node(me));
         let metrics = Arc::new(Metrics::new());
-        let check = Arc::new(Integrity::new(
-            tmp.path().to_path_buf(),
-            router,
-            metrics.clone(),
-        ));
+        let check = Arc::new(Integrity::new(store, router, metrics.clone()));
         assert_eq!(check.check(&digest).await, Check::Good);
         assert_eq!(check.check(&digest).await, Check::Good, "remembered");
 
@@ -226,17 +230,13 @@ mod tests {
     async fn a_check_its_asker_gave_up_on_still_reaches_a_verdict() {
         // 64 MiB: tens of milliseconds of hashing, far more than the asker waits here.
         let bytes: Vec<u8> = (0..64u32 << 20).map(|i| (i % 253) as u8).collect();
-        let (tmp, digest, path) = setup(&bytes);
+        let (_tmp, store, digest, path) = setup(&bytes);
         let me = crate::routing::Peer {
             id: "a".into(),
             addr: "127.0.0.1:1".parse().unwrap(),
         };
         let router: Arc<dyn Router> = Arc::new(MemoryNetwork::new().node(me));
-        let check = Arc::new(Integrity::new(
-            tmp.path().to_path_buf(),
-            router,
-            Arc::new(Metrics::new()),
-        ));
+        let check = Arc::new(Integrity::new(store, router, Arc::new(Metrics::new())));
         let gave_up =
             tokio::time::timeout(std::time::Duration::from_millis(1), check.check(&digest)).await;
         assert!(

@@ -87,10 +87,10 @@ impl Local {
             .header(header::CONTENT_LENGTH, bytes.len())
             .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string());
         if head {
-            return Ok(response.body(Body::empty()).unwrap_or_default());
+            return Ok(response.body(Body::empty())?);
         }
         response = response.header(header::ETAG, format!("\"{digest}\""));
-        Ok(response.body(Body::from(bytes)).unwrap_or_default())
+        Ok(response.body(Body::from(bytes))?)
     }
 
     /// A blob, whole or one range of it. `zero_copy`: the asker offered the upgrade of
@@ -132,7 +132,7 @@ impl Local {
             response = response.header(header::CONTENT_RANGE, v);
         }
         if head {
-            return Ok(response.body(Body::empty()).unwrap_or_default());
+            return Ok(response.body(Body::empty())?);
         }
         if let Some(on_upgrade) = zero_copy
             && length >= zero_copy::MIN_BYTES
@@ -145,7 +145,7 @@ impl Local {
                 idle: zero_copy::SEND_IDLE,
                 counters: [self.peer_bytes(), self.metrics.zero_copy_bytes.clone()],
             };
-            return Ok(zero_copy::switch(status, response, on_upgrade, send));
+            return Ok(zero_copy::switch(status, response, on_upgrade, send)?);
         }
         let stream = self
             .store
@@ -155,7 +155,7 @@ impl Local {
         // Content-Length is set, so a stream that ends early or errors makes hyper drop the
         // connection: containerd sees a failed transfer, never a short blob.
         let body = Body::from_stream(stream);
-        Ok(response.body(body).unwrap_or_default())
+        Ok(response.body(body)?)
     }
 
     /// The blob's committed file, open, if it is the size the store says.

@@ -18,21 +18,21 @@ use axum::http::{HeaderMap, Method, Uri, header};
 use axum::response::Response;
 use futures::StreamExt;
 
-use super::in_flight::{self, InFlightBody};
+use super::in_flight::{self, Opened};
 use super::local::Local;
 use super::peer::{PeerFetcher, PeerRequest};
 use super::recent::RecentPulls;
 use super::request::{self, Listener, Request};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};
-use super::{ApiError, HOP_HEADER};
-use crate::coalesce::inflight::Landing;
+use super::{ApiError, HOP_HEADER, Source};
 use crate::coalesce::local::Transfer;
 use crate::coalesce::{Coalescer, Decision};
 use crate::metrics::{Metrics, TagLabels};
 use crate::oci::registry::{Registries, RegistryFilters};
 use crate::oci::{ApiPath, Digest, Reference};
 use crate::store::ContentStore;
+use crate::store::downloads::Landing;
 
 /// What the mirror's handler needs; shared read-only by every request.
 #[derive(Clone)]
@@ -140,7 +140,7 @@ async fn resolve_tag(
         req.ns.as_deref(),
         req.headers.contains_key(HOP_HEADER),
     ) else {
-        count("upstream", "miss", None);
+        count("upstream", Source::Miss, None);
         return Err(ApiError::ManifestUnknown);
     };
     let verdict = || {
@@ -150,7 +150,7 @@ async fn resolve_tag(
             .map_or(Verdict::Unknown, |w| w.verdict(ns))
     };
     if state.tags.route(verdict) == TagRoute::Upstream {
-        count("upstream", "miss", None);
+        count("upstream", Source::Miss, None);
         return Err(ApiError::ManifestUnknown);
     }
     let request = PeerRequest {
@@ -164,8 +164,8 @@ async fn resolve_tag(
         .await
     {
         Some(response) => {
-            count("peers", "peer", Some(&response));
-            let response = request::sourced(response, "peer");
+            count("peers", Source::Peer, Some(&response));
+            let response = request::sourced(response, Source::Peer);
             tracing::info!(
                 registry = ns,
                 name,
@@ -177,7 +177,7 @@ async fn resolve_tag(
             Ok(response)
         }
         None => {
-            count("none", "miss", None);
+            count("none", Source::Miss, None);
             Err(ApiError::ManifestUnknown)
         }
     }
@@ -229,7 +229,14 @@ async fn follow(
             coalesce.count("follower", "served");
             let what = format!("{ns}/{name}@{digest}");
             tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
-            return Ok(served_by(state, req, what, kind, "inflight", response));
+            return Ok(served_by(
+                state,
+                req,
+                what,
+                kind,
+                Source::InFlight,
+                response,
+            ));
         }
         coalesce.count("follower", "failed");
         tracing::info!(%digest, leader = %leader.id, "the leader gave nothing in time; reporting it");
@@ -274,7 +281,7 @@ async fn by_digest(
     let state = &mirror.state;
     let what = || format!("{}/{name}@{digest}", req.ns.as_deref().unwrap_or("-"));
     match local(mirror, req, name, digest, kind).await {
-        Ok(response) => return Ok(served_by(state, req, what(), kind, "local", response)),
+        Ok(response) => return Ok(served_by(state, req, what(), kind, Source::Local, response)),
         Err(ApiError::ManifestUnknown | ApiError::BlobUnknown) => {}
         Err(other) => return Err(other),
     }
@@ -282,9 +289,9 @@ async fn by_digest(
     if let (Some(coalesce), false) = (coalescing(state, req, name), req.head) {
         let (mine, shared) = coalesce.share_local(digest).await;
         if !matches!(shared, Landing::Nothing)
-            && let Some(response) = share(state, coalesce, req, digest, kind, shared).await
+            && let Some(response) = share(state, req, digest, kind, shared).await
         {
-            let response = served_by(state, req, what(), kind, "inflight", response);
+            let response = served_by(state, req, what(), kind, Source::InFlight, response);
             return Ok(keep(response, Some(mine)));
         }
         transfer = Some(mine);
@@ -310,14 +317,14 @@ async fn by_digest(
             }
         };
         if let Some(response) = got {
-            let response = served_by(state, req, what(), kind, "peer", response);
+            let response = served_by(state, req, what(), kind, Source::Peer, response);
             return Ok(keep(response, transfer));
         }
     }
     match follow(mirror, req, name, digest, kind).await {
         Ok(response) => Ok(keep(response, transfer)),
         Err(e) => {
-            remember(state, req, what(), kind.label(), "miss", None);
+            remember(state, req, what(), kind.label(), Source::Miss, None);
             Err(e)
         }
     }
@@ -356,55 +363,29 @@ fn coalescing<'a>(state: &'a MirrorState, req: &Request<'_>, name: &str) -> Opti
 /// all (then the usual path answers).
 async fn share(
     state: &MirrorState,
-    coalesce: &Coalescer,
     req: &Request<'_>,
     digest: &Digest,
     kind: Kind,
     landing: Landing,
 ) -> Option<Response> {
-    let content_dir = &coalesce.config().content_dir;
-    let committed = crate::store::containerd::files::blob_path(content_dir, digest);
-    let open_committed = || async {
-        let total = tokio::fs::metadata(&committed).await.ok()?.len();
-        let range = in_flight::range_to_end(req.headers, total).ok()?;
-        let start = range.map_or(0, |r| r.start);
-        let open =
-            crate::store::containerd::files::open(content_dir, digest, total, start, total - start);
-        Some((open.await.ok()?, total, range))
-    };
-    let (stream, total, range) = match landing {
-        Landing::InFlight(ingest) => {
-            let range = in_flight::range_to_end(req.headers, ingest.total).ok()?;
-            let start = range.map_or(0, |r| r.start);
-            match ingest
-                .read_from(start, committed.clone(), in_flight::IDLE)
-                .await
-            {
-                Ok(stream) => (stream, ingest.total, range),
-                // Committed (renamed away) between being found growing and being opened, as a
-                // small blob often is: read the committed file. (Seen on containerd 1.7: the
-                // request went upstream a second time.)
-                Err(e) => {
-                    tracing::debug!(%digest, error = %e, "the download landed before it was opened: reading the committed file");
-                    open_committed().await?
-                }
-            }
-        }
-        Landing::Committed => open_committed().await?,
+    let store = state.store.as_ref();
+    let landed = || in_flight::open_landed(store, digest, req.headers);
+    let body = match landing {
+        Landing::InFlight(download) => match in_flight::open(&download, req.headers, None).await {
+            Ok(Opened::Body(body)) => body,
+            // Landed between being found growing and being opened, as a small blob often
+            // does. (Seen on containerd 1.7: the request went upstream a second time.)
+            Ok(Opened::Landed | Opened::Stalled) => landed().await.ok()?,
+            Err(_) => return None,
+        },
+        Landing::Committed => landed().await.ok()?,
         Landing::Nothing => return None,
     };
-    tracing::debug!(%digest, total, "sharing a download on this node");
-    if kind == Kind::Manifest {
-        return in_flight::manifest(false, digest, stream, total).await.ok();
-    }
-    let body = InFlightBody {
-        stream,
-        total,
-        range,
-        verify: true,
-    };
+    tracing::debug!(%digest, total = body.total, "sharing a download on this node");
     let counter = state.metrics.inflight_bytes.clone();
-    Some(in_flight::blob(false, digest, body, counter))
+    let manifest = kind == Kind::Manifest;
+    let answer = in_flight::respond(false, manifest, digest, body, true, counter);
+    answer.await.ok()
 }
 
 /// `response`, with `transfer` kept alive until its body has been sent.
@@ -427,7 +408,7 @@ fn remember(
     req: &Request<'_>,
     what: String,
     kind: &'static str,
-    source: &'static str,
+    source: Source,
     response: Option<&Response>,
 ) {
     if req.head {
@@ -436,7 +417,7 @@ fn remember(
     let bytes = response
         .and_then(|r| r.headers().get(header::CONTENT_LENGTH))
         .and_then(|v| v.to_str().ok()?.parse().ok());
-    state.recent.record(kind, what, source, bytes);
+    state.recent.record(kind, what, source.label(), bytes);
 }
 
 /// `response`, remembered and marked as coming from `source`, for `request::handle` to count
@@ -446,7 +427,7 @@ fn served_by(
     req: &Request<'_>,
     what: String,
     kind: Kind,
-    source: &'static str,
+    source: Source,
     response: Response,
 ) -> Response {
     remember(state, req, what, kind.label(), source, Some(&response));

@@ -14,6 +14,7 @@ pub mod peer;
 pub mod peer_api;
 pub mod recent;
 mod request;
+pub mod source;
 pub mod tags;
 #[cfg(test)]
 mod tests;
@@ -24,6 +25,7 @@ pub use error::ApiError;
 pub use mirror::MirrorState;
 pub use peer::PeerFetcher;
 pub use peer_api::PeerApiState;
+pub use source::Source;
 pub use tags::ResolveTags;
 pub use upstream::{UpstreamConfig, UpstreamWatch};
 

@@ -15,7 +15,6 @@
 use std::sync::Arc;
 
 use std::collections::HashMap;
-use std::time::Instant;
 
 use axum::Router;
 use axum::extract::{Path, State};
@@ -25,14 +24,13 @@ use axum::routing::post;
 use hyper::upgrade::OnUpgrade;
 use tokio::sync::watch;
 
-use super::ApiError;
-use super::in_flight::{self, InFlightBody};
+use super::in_flight::{self, Opened};
 use super::integrity::{Check, Integrity};
 use super::local::Local;
 use super::peer::ClaimAnswer;
 use super::request::{self, Listener, Request};
 use super::zero_copy;
-use crate::coalesce::inflight::{Ingest, Landing};
+use super::{ApiError, Source};
 use crate::coalesce::{CLAIM_PATH, Coalescer, FOLLOW_HEADER};
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::oci::Digest;
@@ -42,7 +40,9 @@ use crate::routing::Peer;
 use crate::routing::sync::Exposed;
 use crate::routing::{digest_key, tag_key};
 use crate::store::ContentStore;
+use crate::store::downloads::{self, Landing};
 use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
+use tokio::time::Instant;
 
 /// What the peer address's handler needs; shared read-only by every request.
 #[derive(Clone)]
@@ -231,25 +231,18 @@ async fn in_flight(
     if let Ok(response) = complete().await {
         return Ok(response);
     }
-    let config = coalesce.config();
-    let deadline = Instant::now() + config.follow_timeout;
-    let committed = crate::store::containerd::files::blob_path(&config.content_dir, digest);
-    let landing = Ingest::wait_for(
-        &config.content_dir,
-        &config.namespace,
-        digest,
-        &committed,
-        config.follow_timeout,
-    )
-    .await;
+    let wait = coalesce.config().follow_timeout;
+    let deadline = Instant::now() + wait;
+    let store = api.state.store.as_ref();
+    let landing = downloads::wait_for(store, digest, wait).await;
     // The blob may be committed at any moment (a small one within milliseconds); containerd
-    // records the commit just after the rename, so a blob whose file is there may be unknown
-    // to it for a moment.
+    // records the commit just after the rename, so a blob that landed may be unknown to it
+    // for a moment.
     let settled = || async {
         for _ in 0..in_flight::COMMIT_RECORD_TRIES {
             match complete().await {
                 Ok(response) => return Ok(response),
-                Err(_) if committed.exists() => {
+                Err(_) if store.landed(digest).await.is_some() => {
                     tokio::time::sleep(in_flight::COMMIT_RECORD_POLL).await
                 }
                 Err(e) => return Err(e),
@@ -257,46 +250,25 @@ async fn in_flight(
         }
         complete().await
     };
-    let ingest = match landing {
-        Landing::InFlight(ingest) => ingest,
+    let download = match landing {
+        Landing::InFlight(download) => download,
         // Committed meanwhile, or never started (then the follower goes elsewhere).
         Landing::Committed | Landing::Nothing => return settled().await,
     };
-    let range = in_flight::range_to_end(req.headers, ingest.total)?;
-    let start = range.map_or(0, |r| r.start);
-    // Headers only for a download that is alive: a follower whose leader has nothing (its
-    // containerd died, its upstream refused) hears so within the follow timeout, reports the
-    // leader and goes upstream itself, instead of stalling mid-body.
-    if !ingest.landing(start, in_flight::IDLE, deadline).await {
-        if committed.exists() {
-            return settled().await;
+    let body = match in_flight::open(&download, req.headers, Some(deadline)).await? {
+        Opened::Body(body) => body,
+        Opened::Landed => return settled().await,
+        Opened::Stalled => {
+            tracing::debug!(%digest, "not following a download that is not progressing");
+            return complete().await;
         }
-        tracing::debug!(%digest, "not following a download that is not progressing");
-        return complete().await;
-    }
-    let stream = match ingest
-        .read_from(start, committed.clone(), in_flight::IDLE)
-        .await
-    {
-        Ok(stream) => stream,
-        // Committed between the look and the open (the data file was renamed).
-        Err(_) => return settled().await,
     };
-    if matches!(req.path, ApiPath::Manifest { .. }) {
-        let response = in_flight::manifest(req.head, digest, stream, ingest.total).await?;
-        return Ok(request::sourced(response, "inflight"));
-    }
-    tracing::debug!(%digest, start, total = ingest.total, "serving a follower from the download in progress");
-    // The follower checks the digest itself: not hashed twice.
-    let body = InFlightBody {
-        stream,
-        total: ingest.total,
-        range,
-        verify: false,
-    };
+    let manifest = matches!(req.path, ApiPath::Manifest { .. });
+    tracing::debug!(%digest, total = body.total, "serving a follower from the download in progress");
     let counter = api.state.metrics.inflight_bytes.clone();
-    let response = in_flight::blob(req.head, digest, body, counter);
-    Ok(request::sourced(response, "inflight"))
+    // The follower checks a blob's digest itself: not hashed twice.
+    let answer = in_flight::respond(req.head, manifest, digest, body, false, counter).await?;
+    Ok(request::sourced(answer, Source::InFlight))
 }
 
 /// Peer requests carry a token signed with the cluster secret (when there is one). Checked

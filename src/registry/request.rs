@@ -8,7 +8,7 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
 
-use super::ApiError;
+use super::{ApiError, Source};
 use crate::metrics::{KindLabels, Metrics, RequestLabels, SourceLabels};
 use crate::oci::registry::{Registries, registry_host};
 use crate::oci::{self, ApiPath, path};
@@ -57,15 +57,10 @@ impl Listener {
     }
 }
 
-/// Where an answer came from (`local`, `peer`, `inflight`), set on the response by the policy
-/// that chose it and counted by [`handle`], the one place that counts answers and their bytes.
-/// An answer without one came from this node's store.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Source(pub &'static str);
-
-/// `response`, marked as coming from `source`.
-pub(super) fn sourced(mut response: Response, source: &'static str) -> Response {
-    response.extensions_mut().insert(Source(source));
+/// `response`, marked as coming from `source`, for [`handle`], the one place that counts
+/// answers and their bytes. An answer without a mark came from this node's store.
+pub(super) fn sourced(mut response: Response, source: Source) -> Response {
+    response.extensions_mut().insert(source);
     response
 }
 
@@ -116,12 +111,13 @@ where
     let (response, source) = match request {
         Ok(request) => match answer(request).await {
             Ok(r) => {
-                let source = r.extensions().get::<Source>().map_or("local", |s| s.0);
+                let source = r.extensions().get::<Source>().copied();
+                let source = source.unwrap_or(Source::Local);
                 (r, Some(source))
             }
             // Nobody had it (this node, its peers, a leader): what `source="miss"` counts.
             Err(e @ (ApiError::ManifestUnknown | ApiError::BlobUnknown)) => {
-                (e.into_response(), Some("miss"))
+                (e.into_response(), Some(Source::Miss))
             }
             Err(e) => (e.into_response(), None),
         },
@@ -159,7 +155,7 @@ where
     tracing::debug!(
         listener,
         %method,
-        source = source.unwrap_or("-"),
+        source = source.map_or("-", Source::label),
         path = uri.path(),
         query = uri.query().unwrap_or(""),
         status,
@@ -176,17 +172,17 @@ fn count_served(
     metrics: &Metrics,
     listener: &'static str,
     kind: &'static str,
-    source: &'static str,
+    source: Source,
     head: bool,
     response: Response,
 ) -> Response {
     let labels = SourceLabels {
         listener,
         kind,
-        source,
+        source: source.label(),
     };
     metrics.served.get_or_create(&labels).inc();
-    if head || source == "miss" {
+    if head || source == Source::Miss {
         return response;
     }
     let counter = metrics.served_bytes.get_or_create(&labels).clone();

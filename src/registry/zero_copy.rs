@@ -76,7 +76,7 @@ pub fn switch(
     answer: axum::http::response::Builder,
     on_upgrade: OnUpgrade,
     send: FileSend,
-) -> Response {
+) -> Result<Response, axum::http::Error> {
     let mut out = Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
         .header(header::CONNECTION, "upgrade")
@@ -113,7 +113,7 @@ pub fn switch(
             tracing::debug!(error = %e, "zero-copy send ended early");
         }
     });
-    out.body(Body::empty()).unwrap_or_default()
+    out.body(Body::empty())
 }
 
 /// `send.len` bytes of `send.file` from `send.offset` onto `socket`, each call within the

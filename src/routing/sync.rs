@@ -759,6 +759,23 @@ mod tests {
         ) -> Result<usize, crate::store::StoreError> {
             self.inner.discard_partial(digest, started_before).await
         }
+        async fn downloads(
+            &self,
+            digest: &Digest,
+            scope: crate::store::downloads::Scope,
+        ) -> Vec<crate::store::downloads::InFlight> {
+            self.inner.downloads(digest, scope).await
+        }
+        async fn landed(&self, digest: &Digest) -> Option<u64> {
+            self.inner.landed(digest).await
+        }
+        async fn open_landed(
+            &self,
+            digest: &Digest,
+            offset: u64,
+        ) -> Result<(crate::store::ByteStream, u64), crate::store::StoreError> {
+            self.inner.open_landed(digest, offset).await
+        }
     }
 
     /// An image of `layers` layers of its own plus one every image shares, tagged `name`.

@@ -6,7 +6,10 @@
 use bytes::Bytes;
 use futures::TryStreamExt;
 
-use super::{ContentStore, StoreError};
+use std::time::Duration;
+
+use super::downloads::{self, Landing, Scope};
+use super::{ByteStream, ContentStore, StoreError};
 use crate::oci::{ByteRange, Digest};
 
 /// Content known to be in the store under test.
@@ -115,6 +118,137 @@ pub async fn check(store: &dyn ContentStore, fixture: &Fixture) {
     }
 }
 
+/// Drives downloads into the store under test, as its containerd's pulls would.
+pub trait DownloadDriver {
+    /// Starts a download of `total` bytes of `digest`, in the store's own containerd
+    /// namespace or in another one.
+    fn start(&self, digest: &Digest, total: u64, own_namespace: bool) -> Box<dyn DownloadWriter>;
+}
+
+/// One download being written.
+pub trait DownloadWriter: Send {
+    fn append(&mut self, bytes: &[u8]);
+    /// Writes the rest is done: the download is committed under its digest.
+    fn commit(&mut self);
+    /// Drops the download without committing it; `false` when the driver cannot.
+    fn abort(&mut self) -> bool;
+}
+
+/// How long a check waits for something a driver did to show (a real containerd takes a
+/// moment to write what its client sent).
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// Every download check against `store`, with downloads made by `driver`.
+pub async fn check_downloads(store: &dyn ContentStore, driver: &dyn DownloadDriver) {
+    let absent = Digest::sha256_of(b"ferry conformance: nobody downloads this");
+    assert!(store.downloads(&absent, Scope::Namespace).await.is_empty());
+    let any = Scope::AnyFresh(Duration::from_secs(60));
+    assert!(store.downloads(&absent, any).await.is_empty());
+    assert_eq!(store.landed(&absent).await, None, "nothing landed");
+    assert!(matches!(
+        store.open_landed(&absent, 0).await,
+        Err(StoreError::NotFound)
+    ));
+    let quick = downloads::wait_for(store, &absent, Duration::from_millis(30)).await;
+    assert!(matches!(quick, Landing::Nothing), "{quick:?}");
+
+    // Read while it lands, from the start and from an offset that has not landed yet.
+    let bytes = pattern(700_000, 1);
+    let digest = Digest::sha256_of(&bytes);
+    let total = bytes.len() as u64;
+    let mut writer = driver.start(&digest, total, true);
+    writer.append(&bytes[..1000]);
+    let Landing::InFlight(download) = downloads::wait_for(store, &digest, SETTLE).await else {
+        panic!("a download in the store's namespace is found");
+    };
+    assert_eq!(download.total(), total, "its size is known from the start");
+    let idle = Duration::from_secs(20);
+    let whole = tokio::spawn(collect(download.read_from(0, idle).await.expect("opens")));
+    let tail = tokio::spawn(collect(
+        download.read_from(500_000, idle).await.expect("opens"),
+    ));
+    for part in bytes[1000..].chunks(100_000) {
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        writer.append(part);
+    }
+    writer.commit();
+    let got = whole
+        .await
+        .expect("reader")
+        .expect("the whole blob, read as it landed");
+    assert!(
+        digest.matches(&got),
+        "every byte, in order, across the commit"
+    );
+    let got = tail.await.expect("reader").expect("the tail");
+    assert_eq!(
+        got,
+        bytes[500_000..],
+        "an offset not landed yet is waited for"
+    );
+    let started = tokio::time::Instant::now();
+    while store.landed(&digest).await != Some(total) {
+        assert!(
+            started.elapsed() < SETTLE,
+            "a committed download has landed"
+        );
+        tokio::time::sleep(downloads::POLL).await;
+    }
+    let (stream, size) = store.open_landed(&digest, 10).await.expect("opens");
+    assert_eq!(size, total);
+    assert_eq!(collect(stream).await.expect("reads"), bytes[10..]);
+    let offset_past = download.read_from(total + 1, idle).await;
+    assert!(offset_past.is_err(), "an offset past the end is refused");
+
+    // Another namespace's download: found only with any namespace, only while fresh.
+    let bytes = pattern(300_000, 2);
+    let digest = Digest::sha256_of(&bytes);
+    let mut writer = driver.start(&digest, bytes.len() as u64, false);
+    writer.append(&bytes[..5000]);
+    let started = tokio::time::Instant::now();
+    let found = loop {
+        let found = store.downloads(&digest, any).await;
+        if !found.is_empty() || started.elapsed() > SETTLE {
+            break found;
+        }
+        tokio::time::sleep(downloads::POLL).await;
+    };
+    assert_eq!(
+        found.len(),
+        1,
+        "another namespace's download, with any namespace"
+    );
+    assert!(store.downloads(&digest, Scope::Namespace).await.is_empty());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let stale = Scope::AnyFresh(Duration::from_secs(1));
+    assert!(
+        store.downloads(&digest, stale).await.is_empty(),
+        "a still one is not fresh"
+    );
+
+    // A download that stops landing: its readers end in an error, never a short blob.
+    let stalled = found[0].read_from(0, Duration::from_millis(300)).await;
+    let got = collect(stalled.expect("opens")).await;
+    assert!(got.is_err(), "a stalled download is an error: {got:?}");
+    let reader = tokio::spawn(collect(found[0].read_from(0, idle).await.expect("opens")));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    if writer.abort() {
+        let got = tokio::time::timeout(SETTLE, reader).await;
+        let got = got.expect("an abort is noticed at once").expect("reader");
+        assert!(got.is_err(), "an aborted download is an error: {got:?}");
+    }
+}
+
+/// `n` bytes that differ with `seed`.
+fn pattern(n: usize, seed: usize) -> Vec<u8> {
+    (0..n).map(|i| ((i * 7 + seed * 13) % 251) as u8).collect()
+}
+
+async fn collect(stream: ByteStream) -> std::io::Result<Vec<u8>> {
+    let chunks: Vec<Bytes> = stream.try_collect().await?;
+    Ok(chunks.concat())
+}
+
 async fn read(store: &dyn ContentStore, digest: &Digest, range: Option<ByteRange>) -> Vec<u8> {
     let stream = store.open(digest, range).await.expect("stored blob opens");
     let chunks: Vec<Bytes> = stream
@@ -154,5 +288,44 @@ mod tests {
             ],
         };
         check(&store, &fixture).await;
+    }
+}
+
+#[cfg(test)]
+mod download_tests {
+    use super::*;
+    use crate::store::memory::{self, MemoryStore};
+
+    struct Memory<'a>(&'a MemoryStore);
+
+    impl DownloadWriter for memory::DownloadWriter {
+        fn append(&mut self, bytes: &[u8]) {
+            memory::DownloadWriter::append(self, bytes);
+        }
+
+        fn commit(&mut self) {
+            memory::DownloadWriter::commit(self);
+        }
+
+        fn abort(&mut self) -> bool {
+            memory::DownloadWriter::abort(self);
+            true
+        }
+    }
+
+    impl DownloadDriver for Memory<'_> {
+        fn start(&self, digest: &Digest, total: u64, own: bool) -> Box<dyn DownloadWriter> {
+            Box::new(if own {
+                self.0.start_download(digest, total)
+            } else {
+                self.0.start_download_elsewhere(digest, total)
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn memory_store_passes_the_download_checks() {
+        let store = MemoryStore::new();
+        check_downloads(&store, &Memory(&store)).await;
     }
 }

@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::RwLock;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -10,13 +11,16 @@ use futures::StreamExt;
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
 
+use tokio::time::Instant;
+
+use super::downloads::{Download, InFlight, POLL, Scope};
 use super::{ByteStream, Change, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
 /// Content and image names held in memory. Cloning shares nothing; wrap it in an `Arc`.
 #[derive(Debug)]
 pub struct MemoryStore {
-    inner: RwLock<Inner>,
+    inner: Arc<RwLock<Inner>>,
     changes: broadcast::Sender<Change>,
     /// Also keep each blob as a file here, as containerd's content directory does (for tests
     /// of what is sent from files: `ContentStore::blob_file`).
@@ -26,7 +30,7 @@ pub struct MemoryStore {
 impl Default for MemoryStore {
     fn default() -> Self {
         Self {
-            inner: RwLock::default(),
+            inner: Arc::default(),
             changes: broadcast::channel(CHANGE_BUFFER).0,
             files: None,
         }
@@ -41,6 +45,10 @@ struct Inner {
     blobs: HashMap<Digest, Bytes>,
     /// `<registry>/<repo>:<tag>` -> target descriptor.
     images: HashMap<String, Descriptor>,
+    /// Downloads in progress, in this store's namespace or another.
+    downloads: Vec<Arc<MemoryDownload>>,
+    /// Blobs committed by downloads in another namespace: landed, not in this store.
+    landed_elsewhere: HashMap<Digest, Bytes>,
 }
 
 /// Bytes served per chunk, small so that tests exercise multi-chunk streams.
@@ -114,12 +122,184 @@ impl MemoryStore {
         self.notify(Change::ContentDeleted(digest.clone()));
     }
 
+    /// Starts a download of `digest` in this store's namespace, as a pull would.
+    pub fn start_download(&self, digest: &Digest, total: u64) -> DownloadWriter {
+        self.begin(digest, total, true)
+    }
+
+    /// Starts a download of `digest` in another containerd namespace: its bytes land where
+    /// this store can read them, but the store does not list the blob.
+    pub fn start_download_elsewhere(&self, digest: &Digest, total: u64) -> DownloadWriter {
+        self.begin(digest, total, false)
+    }
+
+    fn begin(&self, digest: &Digest, total: u64, own: bool) -> DownloadWriter {
+        let download = Arc::new(MemoryDownload {
+            digest: digest.clone(),
+            total,
+            own,
+            progress: Arc::new(Mutex::new(Progress {
+                data: Vec::new(),
+                written_at: Instant::now(),
+                end: None,
+            })),
+        });
+        self.write().downloads.push(download.clone());
+        DownloadWriter {
+            store: self.inner.clone(),
+            download,
+        }
+    }
+
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
-        self.inner.read().unwrap_or_else(|e| e.into_inner())
+        read(&self.inner)
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
-        self.inner.write().unwrap_or_else(|e| e.into_inner())
+        write(&self.inner)
+    }
+
+    fn landed_bytes(&self, digest: &Digest) -> Option<Bytes> {
+        let inner = self.read();
+        inner
+            .blobs
+            .get(digest)
+            .or_else(|| inner.landed_elsewhere.get(digest))
+            .cloned()
+    }
+}
+
+fn read(inner: &RwLock<Inner>) -> std::sync::RwLockReadGuard<'_, Inner> {
+    inner.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write(inner: &RwLock<Inner>) -> std::sync::RwLockWriteGuard<'_, Inner> {
+    inner.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `blob` from `offset`, in chunks.
+fn chunked(blob: Bytes) -> ByteStream {
+    let chunks: Vec<std::io::Result<Bytes>> = (0..blob.len())
+        .step_by(CHUNK_BYTES)
+        .map(|i| Ok(blob.slice(i..(i + CHUNK_BYTES).min(blob.len()))))
+        .collect();
+    Box::pin(futures::stream::iter(chunks))
+}
+
+/// A download in a memory store, written by its [`DownloadWriter`].
+#[derive(Debug)]
+struct MemoryDownload {
+    digest: Digest,
+    total: u64,
+    own: bool,
+    progress: Arc<Mutex<Progress>>,
+}
+
+#[derive(Debug)]
+struct Progress {
+    data: Vec<u8>,
+    written_at: Instant,
+    /// `Some(true)` once committed, `Some(false)` once aborted.
+    end: Option<bool>,
+}
+
+fn lock(progress: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
+    progress.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Writes one download of a [`MemoryStore`]: bytes land, then it commits or aborts.
+#[derive(Debug, Clone)]
+pub struct DownloadWriter {
+    store: Arc<RwLock<Inner>>,
+    download: Arc<MemoryDownload>,
+}
+
+impl DownloadWriter {
+    pub fn append(&self, bytes: &[u8]) {
+        let mut progress = lock(&self.download.progress);
+        progress.data.extend_from_slice(bytes);
+        progress.written_at = Instant::now();
+    }
+
+    /// Lands the download under its digest (whatever its bytes are, as a test may want).
+    pub fn commit(&self) {
+        let data = {
+            let mut progress = lock(&self.download.progress);
+            progress.end = Some(true);
+            Bytes::copy_from_slice(&progress.data)
+        };
+        let mut store = write(&self.store);
+        let d = &self.download;
+        store.downloads.retain(|o| !Arc::ptr_eq(o, d));
+        if d.own {
+            store.blobs.insert(d.digest.clone(), data);
+        } else {
+            store.landed_elsewhere.insert(d.digest.clone(), data);
+        }
+    }
+
+    pub fn abort(&self) {
+        lock(&self.download.progress).end = Some(false);
+        let d = &self.download;
+        write(&self.store).downloads.retain(|o| !Arc::ptr_eq(o, d));
+    }
+}
+
+#[async_trait::async_trait]
+impl Download for MemoryDownload {
+    fn total(&self) -> u64 {
+        self.total
+    }
+
+    async fn landed(&self) -> Option<u64> {
+        let progress = lock(&self.progress);
+        progress.end.is_none().then_some(progress.data.len() as u64)
+    }
+
+    async fn written_within(&self, live: Duration) -> bool {
+        lock(&self.progress).written_at.elapsed() < live
+    }
+
+    async fn read_from(&self, offset: u64, idle: Duration) -> std::io::Result<ByteStream> {
+        if offset > self.total {
+            return Err(std::io::Error::other("offset past the end of the blob"));
+        }
+        let (progress, total) = (self.progress.clone(), self.total);
+        let state = (offset, Instant::now());
+        let stream = futures::stream::unfold(Some(state), move |state| {
+            let progress = progress.clone();
+            async move {
+                let (mut pos, last) = state?;
+                loop {
+                    if pos >= total {
+                        return None;
+                    }
+                    let (chunk, end) = {
+                        let p = lock(&progress);
+                        let have = (p.data.len() as u64).min(total);
+                        let upto = have.min(pos + CHUNK_BYTES as u64);
+                        let chunk = (upto > pos)
+                            .then(|| Bytes::copy_from_slice(&p.data[pos as usize..upto as usize]));
+                        (chunk, p.end)
+                    };
+                    if let Some(chunk) = chunk {
+                        pos += chunk.len() as u64;
+                        return Some((Ok(chunk), Some((pos, Instant::now()))));
+                    }
+                    let error = match end {
+                        Some(false) => Some("the download was aborted before it completed"),
+                        Some(true) => Some("the download was committed short"),
+                        None if last.elapsed() >= idle => Some("the download made no progress"),
+                        None => None,
+                    };
+                    if let Some(e) = error {
+                        return Some((Err(std::io::Error::other(e)), None));
+                    }
+                    tokio::time::sleep(POLL).await;
+                }
+            }
+        });
+        Ok(Box::pin(stream))
     }
 }
 
@@ -160,12 +340,37 @@ impl ContentStore for MemoryStore {
             .cloned()
             .ok_or(StoreError::NotFound)?;
         let (offset, len) = crate::oci::range::span(range, blob.len() as u64);
-        let blob = blob.slice(offset as usize..(offset + len) as usize);
-        let chunks: Vec<std::io::Result<Bytes>> = (0..blob.len())
-            .step_by(CHUNK_BYTES)
-            .map(|i| Ok(blob.slice(i..(i + CHUNK_BYTES).min(blob.len()))))
-            .collect();
-        Ok(Box::pin(futures::stream::iter(chunks)))
+        Ok(chunked(
+            blob.slice(offset as usize..(offset + len) as usize),
+        ))
+    }
+
+    async fn downloads(&self, digest: &Digest, scope: Scope) -> Vec<InFlight> {
+        self.read()
+            .downloads
+            .iter()
+            .filter(|d| &d.digest == digest)
+            .filter(|d| match scope {
+                Scope::Namespace => d.own,
+                Scope::AnyFresh(fresh) => lock(&d.progress).written_at.elapsed() < fresh,
+            })
+            .map(|d| d.clone() as InFlight)
+            .collect()
+    }
+
+    async fn landed(&self, digest: &Digest) -> Option<u64> {
+        self.landed_bytes(digest).map(|b| b.len() as u64)
+    }
+
+    async fn open_landed(
+        &self,
+        digest: &Digest,
+        offset: u64,
+    ) -> Result<(ByteStream, u64), StoreError> {
+        let blob = self.landed_bytes(digest).ok_or(StoreError::NotFound)?;
+        let size = blob.len() as u64;
+        let offset = offset.min(size) as usize;
+        Ok((chunked(blob.slice(offset..)), size))
     }
 
     fn blob_file(&self, digest: &Digest) -> Option<PathBuf> {

@@ -1,8 +1,12 @@
 //! Where content comes from: the narrow [`ContentStore`] trait, containerd's implementation and
 //! an in-memory one for tests, and one conformance check both must pass.
+//!
+//! Invariant: only `store/containerd/` knows containerd's on-disk layout (committed files and
+//! downloads in progress); every other room reads content through [`ContentStore`].
 
 pub mod conformance;
 pub mod containerd;
+pub mod downloads;
 pub mod memory;
 
 use std::pin::Pin;
@@ -11,6 +15,7 @@ use bytes::Bytes;
 use futures::Stream;
 
 use crate::oci::{ByteRange, Digest};
+use downloads::{InFlight, Scope};
 
 /// A stream of blob bytes. An `Err` item means the transfer broke off: the HTTP layer resets
 /// the connection so containerd never mistakes a truncated body for a complete one.
@@ -91,6 +96,21 @@ pub trait ContentStore: Send + Sync + 'static {
     fn blob_file(&self, _digest: &Digest) -> Option<std::path::PathBuf> {
         None
     }
+
+    /// The downloads of `digest` in progress that `scope` allows, with a known size.
+    async fn downloads(&self, digest: &Digest, scope: Scope) -> Vec<InFlight>;
+
+    /// The size of `digest` if it has been committed in any namespace of the store's
+    /// containerd. A blob just committed may not be recorded yet, or ever in this namespace.
+    async fn landed(&self, digest: &Digest) -> Option<u64>;
+
+    /// The bytes of a landed blob ([`ContentStore::landed`]) from `offset` to its end, and its
+    /// size.
+    async fn open_landed(
+        &self,
+        digest: &Digest,
+        offset: u64,
+    ) -> Result<(ByteStream, u64), StoreError>;
 
     /// Does the store answer at all? Drives `/readyz` and the `containerd_up` metric.
     async fn healthy(&self) -> bool;

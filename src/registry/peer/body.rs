@@ -134,7 +134,7 @@ impl Fetch {
 
 impl Fetch {
     /// The response headers for this transfer, whichever peers end up serving it.
-    pub fn response(&self, body: Body) -> Response {
+    pub fn response(&self, body: Body) -> Result<Response, axum::http::Error> {
         let mut out = Response::builder()
             .status(if self.partial {
                 StatusCode::PARTIAL_CONTENT
@@ -155,7 +155,7 @@ impl Fetch {
         {
             out = out.header(header::CONTENT_RANGE, v);
         }
-        out.body(body).unwrap_or_default()
+        out.body(body)
     }
 }
 

@@ -213,7 +213,7 @@ impl PeerFetcher {
             let status = response.status();
             if status == StatusCode::RANGE_NOT_SATISFIABLE {
                 // The peer has the blob; the range is wrong for everyone.
-                return Some(forward_headers(&response, Body::empty()));
+                return built(forward_headers(&response, Body::empty()));
             }
             if status != StatusCode::OK && status != StatusCode::PARTIAL_CONTENT {
                 if status != StatusCode::NOT_FOUND {
@@ -222,7 +222,7 @@ impl PeerFetcher {
                 continue;
             }
             if req.head {
-                return Some(forward_headers(&response, Body::empty()));
+                return built(forward_headers(&response, Body::empty()));
             }
             let Some(fetch) = Fetch::from_response(&response, digest.clone()) else {
                 self.health.failed(&peer, &PeerFailure::Extent);
@@ -236,7 +236,7 @@ impl PeerFetcher {
                     Ok(whole) => {
                         let start = fetch.start as usize;
                         let part = whole.slice(start..start + fetch.len as usize);
-                        return Some(fetch.response(Body::from(part)));
+                        return built(fetch.response(Body::from(part)));
                     }
                     Err(failure) => {
                         self.health.failed(&peer, &failure);
@@ -255,7 +255,7 @@ impl PeerFetcher {
                 ns: req.ns.map(str::to_string),
             };
             let body = ResumingBody::new(fetch.clone(), peer.clone(), first, remaining, resume);
-            return Some(fetch.response(Body::from_stream(body.into_stream())));
+            return built(fetch.response(Body::from_stream(body.into_stream())));
         }
         None
     }
@@ -567,8 +567,16 @@ impl ClaimSender for PeerFetcher {
     }
 }
 
+/// A peer's answer, or none when it could not be built (a header value that is not valid
+/// HTTP): the pull goes on as if the peer had not answered, never with an empty success.
+fn built(answer: Result<Response, axum::http::Error>) -> Option<Response> {
+    answer
+        .inspect_err(|e| tracing::warn!(error = %e, "a peer's answer could not be passed on"))
+        .ok()
+}
+
 /// The peer's status and the headers that describe the content, with our body.
-fn forward_headers(response: &PeerResponse, body: Body) -> Response {
+fn forward_headers(response: &PeerResponse, body: Body) -> Result<Response, axum::http::Error> {
     let mut out = Response::builder().status(response.status());
     for name in [
         header::CONTENT_TYPE,
@@ -584,7 +592,7 @@ fn forward_headers(response: &PeerResponse, body: Body) -> Response {
     if let Some(v) = response.headers().get(oci::DOCKER_CONTENT_DIGEST) {
         out = out.header(oci::DOCKER_CONTENT_DIGEST, v.clone());
     }
-    out.body(body).unwrap_or_default()
+    out.body(body)
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 
 mod channel;
 pub mod files;
+mod ingest;
 
 pub use files::blob_path;
 
@@ -25,6 +26,7 @@ use containerd_client::with_namespace;
 use futures::StreamExt;
 use prost::Message;
 
+use super::downloads::{InFlight, Scope};
 use super::{ByteStream, Change, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
@@ -164,6 +166,43 @@ impl ContentStore for ContainerdStore {
 
     fn blob_file(&self, digest: &Digest) -> Option<PathBuf> {
         Some(files::blob_path(&self.content_dir, digest))
+    }
+
+    async fn downloads(&self, digest: &Digest, scope: Scope) -> Vec<InFlight> {
+        let (dir, d) = (self.content_dir.clone(), digest.clone());
+        let prefix = format!("{}/", self.namespace);
+        let found = tokio::task::spawn_blocking(move || {
+            ingest::Ingest::scan(&dir, &d)
+                .into_iter()
+                .filter(|(r, ingest)| match scope {
+                    Scope::Namespace => r.starts_with(&prefix),
+                    Scope::AnyFresh(fresh) => ingest.fresh(fresh),
+                })
+                .map(|(_, ingest)| std::sync::Arc::new(ingest) as InFlight)
+                .collect()
+        });
+        found.await.unwrap_or_default()
+    }
+
+    async fn landed(&self, digest: &Digest) -> Option<u64> {
+        let path = files::blob_path(&self.content_dir, digest);
+        tokio::fs::metadata(path).await.ok().map(|m| m.len())
+    }
+
+    async fn open_landed(
+        &self,
+        digest: &Digest,
+        offset: u64,
+    ) -> Result<(ByteStream, u64), StoreError> {
+        let path = files::blob_path(&self.content_dir, digest);
+        let size = match tokio::fs::metadata(&path).await {
+            Ok(meta) => meta.len(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(StoreError::NotFound),
+            Err(e) => return Err(StoreError::Io(e)),
+        };
+        let offset = offset.min(size);
+        let stream = files::open(&self.content_dir, digest, size, offset, size - offset).await?;
+        Ok((stream, size))
     }
 
     async fn healthy(&self) -> bool {
