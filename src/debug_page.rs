@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use crate::oci::Digest;
 use crate::ops::{self, Sources};
-use crate::registry::peer::test_pull::TestPull;
+use crate::registry::peer::diagnostic_pull::TestPull;
 use crate::status::{Status, duration, human};
 
 /// Only one test pull at a time: each may move a whole blob.

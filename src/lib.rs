@@ -9,13 +9,15 @@
 //! - [`config`]: defaults < file < env < flag merge and validation, no side effects.
 //! - [`app`]: wiring: bind, write the mirror config, spawn, drain on shutdown.
 //! - [`oci`]: pure domain code: digests, names, the `/v2/` path and Range parsers, errors.
-//! - [`store`]: the `ContentStore` trait, containerd and in-memory stores, conformance check.
+//! - [`store`]: the `ContentStore` trait (committed content and downloads in progress), the
+//!   containerd and in-memory stores, one conformance check; the only code that knows
+//!   containerd's on-disk layout.
 //! - [`containerd_config`]: the `hosts.toml` merge/cleanup and containerd config preflight.
 //! - [`routing`]: the `Router` trait (libp2p Kademlia, in-memory), bootstrap, store sync.
 //! - [`registry`]: the mirror and peer addresses (two routers), peer fetch, tag policy and
 //!   the upstream reachability probe.
 //! - [`coalesce`]: storm-proof rollouts: one leader per digest, followers streaming its
-//!   download in progress (rendezvous coordinator, lease table, in-flight reader).
+//!   download in progress (coordinator, lease table, this node's transfers).
 //! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
 //! - [`ops`]: `/metrics`, `/healthz`, `/readyz`, `/status`.
 //! - [`status`]: what `ferry status` shows (readiness, problems, peers, recent pulls).
@@ -26,6 +28,7 @@
 //! - [`host_addr`]: the address other nodes reach this one at, when none is given.
 //! - [`server`]: the HTTP accept loop (header read timeout, graceful drain).
 //! - [`metrics`]: every metric family in one place.
+//! - [`wire`]: the headers, paths and protocol names on the wire between nodes.
 
 pub mod app;
 pub mod cli;
@@ -47,3 +50,4 @@ pub mod server;
 pub mod status;
 pub mod store;
 pub mod trust;
+pub mod wire;

@@ -9,7 +9,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use ferry::trust::{ClusterSecret, TOKEN_HEADER, token};
+use ferry::trust::{ClusterSecret, token};
+use ferry::wire::TOKEN_HEADER;
 use support::cluster::{Node, P2P_PORT, registry_host};
 use support::netns::Net;
 use support::*;

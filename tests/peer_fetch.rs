@@ -13,13 +13,14 @@ use ferry::app::{Listeners, PeerSetup, Peering, serve};
 use ferry::cli::Flags;
 use ferry::config::{Config, Registries, RegistryFilters};
 use ferry::oci::manifest::OCI_MANIFEST;
+use ferry::registry::ResolveTags;
 use ferry::registry::peer::PeerFetchConfig;
-use ferry::registry::{ResolveTags, zero_copy};
 use ferry::routing::memory::MemoryNetwork;
 use ferry::routing::sync::SyncConfig;
 use ferry::routing::{Peer, Router};
 use ferry::store::memory::MemoryStore;
-use ferry::trust::{ClusterSecret, TOKEN_HEADER, token};
+use ferry::trust::{ClusterSecret, token};
+use ferry::wire::TOKEN_HEADER;
 use sha2::Digest as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -417,13 +418,14 @@ async fn dying_peer_speaking(full: Bytes, cut_at: usize, zero_copy: bool) -> Soc
                 let mut buf = vec![0u8; 4096];
                 let n = conn.read(&mut buf).await.unwrap_or(0);
                 let request = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
-                let offered = request.contains(&format!("upgrade: {}", zero_copy::PROTOCOL));
+                let offered =
+                    request.contains(&format!("upgrade: {}", ferry::wire::ZERO_COPY_PROTOCOL));
                 let head = if zero_copy && offered {
                     format!(
                         "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {}\r\n{}: 200\r\n{}: {}\r\n\r\n",
-                        zero_copy::PROTOCOL,
-                        zero_copy::STATUS_HEADER,
-                        zero_copy::LENGTH_HEADER,
+                        ferry::wire::ZERO_COPY_PROTOCOL,
+                        ferry::wire::ZERO_COPY_STATUS_HEADER,
+                        ferry::wire::ZERO_COPY_LENGTH_HEADER,
                         full.len()
                     )
                 } else {

@@ -34,8 +34,8 @@
 //! members) give two coordinators and so at worst two upstream fetches, never a failure.
 
 pub mod leases;
-pub mod local;
 pub mod rendezvous;
+pub mod transfers;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -47,12 +47,8 @@ use crate::routing::{Peer, Router};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing, Scope};
 use leases::{Grant, LEASE, Leases};
-use local::{Transfer, Transfers};
+use transfers::{Transfer, Transfers};
 
-/// Header on a follower's request: the leader may answer from a download in progress.
-pub const FOLLOW_HEADER: &str = "x-ferry-follow";
-/// Path of the claim endpoint on the peer address: `POST <CLAIM_PATH><digest>?peer=&addr=`.
-pub const CLAIM_PATH: &str = "/_ferry/v1/claim/";
 /// A claim gets this long. Peer addresses are on the node network (well under a millisecond
 /// away), and a coordinator that is gone fails the claim at once (refused, reset); one that
 /// answers later than this is treated as absent, and the miss goes upstream. Not shorter:
@@ -195,7 +191,7 @@ impl Coalescer {
     /// it in progress on this node to read instead of starting another, if another request of
     /// this node is transferring it, or this node leads it (its containerd is fetching it
     /// upstream). Waits up to the follow timeout for that download to grow. The transfer
-    /// must live as long as the response (see `local.rs`).
+    /// must live as long as the response (see `transfers.rs`).
     pub async fn share_local(&self, digest: &Digest) -> (Transfer, Landing) {
         let transfer = self.transfers.begin(digest);
         let store = self.store.as_ref();

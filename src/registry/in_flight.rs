@@ -1,6 +1,6 @@
 //! Answers out of a download in progress (`store::downloads`), for both routers: a follower
 //! on the peer address, and a second request of this node's containerd on the mirror
-//! (`coalesce::local`). Invariant: one place opens a download for a request ([`open`]) and one
+//! (`coalesce::transfers`). Invariant: one place opens a download for a request ([`open`]) and one
 //! builds its answer ([`respond`]).
 
 use std::time::Duration;

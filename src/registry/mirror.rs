@@ -25,14 +25,15 @@ use super::recent::RecentPulls;
 use super::request::{self, Listener, Request};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};
-use super::{ApiError, HOP_HEADER, Source};
-use crate::coalesce::local::Transfer;
+use super::{ApiError, Source};
+use crate::coalesce::transfers::Transfer;
 use crate::coalesce::{Coalescer, Decision};
 use crate::metrics::{Metrics, TagLabels};
 use crate::oci::registry::{Registries, RegistryFilters};
 use crate::oci::{ApiPath, Digest, Reference};
 use crate::store::ContentStore;
 use crate::store::downloads::Landing;
+use crate::wire::HOP_HEADER;
 
 /// What the mirror's handler needs; shared read-only by every request.
 #[derive(Clone)]
@@ -268,7 +269,7 @@ impl Kind {
 }
 
 /// A blob or a manifest by digest: this node's store; on a miss, another request of this
-/// node transferring it now (`coalesce::local`); then other nodes that hold it (unless this
+/// node transferring it now (`coalesce::transfers`); then other nodes that hold it (unless this
 /// request came from a peer: a peer serves only its own content, so requests never travel
 /// further than one hop); then the node downloading it as the leader (`follow`); then a 404.
 async fn by_digest(

@@ -28,7 +28,3 @@ pub use peer_api::PeerApiState;
 pub use source::Source;
 pub use tags::ResolveTags;
 pub use upstream::{UpstreamConfig, UpstreamWatch};
-
-/// Set on requests one Ferry makes to another: the receiver answers from its own store only,
-/// so a request is never forwarded twice and two nodes can never loop.
-pub const HOP_HEADER: &str = "x-ferry-hop";

@@ -31,7 +31,7 @@ use super::peer::ClaimAnswer;
 use super::request::{self, Listener, Request};
 use super::zero_copy;
 use super::{ApiError, Source};
-use crate::coalesce::{CLAIM_PATH, Coalescer, FOLLOW_HEADER};
+use crate::coalesce::Coalescer;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::oci::Digest;
 use crate::oci::registry::Registries;
@@ -41,7 +41,8 @@ use crate::routing::sync::Exposed;
 use crate::routing::{digest_key, tag_key};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing};
-use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
+use crate::trust::{ClusterSecret, token};
+use crate::wire::{CLAIM_PATH, FOLLOW_HEADER, TOKEN_HEADER};
 use tokio::time::Instant;
 
 /// What the peer address's handler needs; shared read-only by every request.

@@ -28,12 +28,8 @@ use tokio::net::TcpStream;
 
 use crate::limits::LimitedStream;
 
-/// The protocol the asking Ferry offers in its `Upgrade` header.
-pub const PROTOCOL: &str = "ferry-blob/1";
-/// On the 101: the status the answer would have had (200 or 206).
-pub const STATUS_HEADER: &str = "x-ferry-status";
-/// On the 101: how many bytes follow it.
-pub const LENGTH_HEADER: &str = "x-ferry-length";
+use crate::wire::{ZERO_COPY_LENGTH_HEADER, ZERO_COPY_PROTOCOL, ZERO_COPY_STATUS_HEADER};
+
 /// Below this a copy through user space costs less than the new connection an upgrade takes
 /// (an upgraded connection is not reused).
 pub const MIN_BYTES: u64 = 1 << 20;
@@ -48,13 +44,16 @@ pub fn offered(headers: &HeaderMap) -> bool {
     headers
         .get(header::UPGRADE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.eq_ignore_ascii_case(PROTOCOL))
+        .is_some_and(|v| v.eq_ignore_ascii_case(ZERO_COPY_PROTOCOL))
 }
 
 /// Asks a peer for the upgrade (on a blob GET).
 pub fn offer(headers: &mut HeaderMap) {
     headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    headers.insert(header::UPGRADE, HeaderValue::from_static(PROTOCOL));
+    headers.insert(
+        header::UPGRADE,
+        HeaderValue::from_static(ZERO_COPY_PROTOCOL),
+    );
 }
 
 /// What the sender needs: the open file, where to start and how much, and where to count it.
@@ -80,9 +79,9 @@ pub fn switch(
     let mut out = Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
         .header(header::CONNECTION, "upgrade")
-        .header(header::UPGRADE, PROTOCOL)
-        .header(STATUS_HEADER, status.as_u16())
-        .header(LENGTH_HEADER, send.len);
+        .header(header::UPGRADE, ZERO_COPY_PROTOCOL)
+        .header(ZERO_COPY_STATUS_HEADER, status.as_u16())
+        .header(ZERO_COPY_LENGTH_HEADER, send.len);
     if let Some(headers) = answer.headers_ref() {
         for (name, value) in headers {
             if name != header::CONTENT_LENGTH {

@@ -66,7 +66,7 @@ pub async fn run(
     exposed: watch::Sender<Exposed>,
     token: CancellationToken,
 ) {
-    let mut sync = Sync {
+    let mut sync = Reconciler {
         store: &*store,
         router: &*router,
         config: &config,
@@ -248,7 +248,7 @@ impl Advertised {
     }
 }
 
-struct Sync<'a> {
+struct Reconciler<'a> {
     store: &'a dyn ContentStore,
     router: &'a dyn Router,
     config: &'a SyncConfig,
@@ -257,7 +257,7 @@ struct Sync<'a> {
     advertised: Advertised,
 }
 
-impl Sync<'_> {
+impl Reconciler<'_> {
     /// Makes the router's view match the store: advertise new keys, withdraw gone ones. With
     /// a `burst`, only the images it may have changed are walked; without, all of them. If
     /// the store cannot be listed (containerd down), nothing changes and this says so

@@ -5,4 +5,4 @@ pub mod secret;
 pub mod token;
 
 pub use secret::{ClusterSecret, SecretError};
-pub use token::{TOKEN_HEADER, TOKEN_VALIDITY, TokenError};
+pub use token::{TOKEN_VALIDITY, TokenError};

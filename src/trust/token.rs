@@ -8,8 +8,6 @@ use sha2::Sha256;
 
 use super::ClusterSecret;
 
-/// Header carrying the token on requests to a peer address.
-pub const TOKEN_HEADER: &str = "x-ferry-token";
 /// How far a token's time may be from the receiver's clock, either way. Long enough for
 /// clock skew between nodes, short enough that a replay is useless for long.
 pub const TOKEN_VALIDITY: Duration = Duration::from_secs(60);

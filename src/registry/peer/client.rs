@@ -11,12 +11,12 @@ use futures::StreamExt;
 use super::failure::PeerFailure;
 use super::response::PeerResponse;
 use crate::coalesce::leases::Grant;
-use crate::coalesce::{CLAIM_PATH, FOLLOW_HEADER};
 use crate::metrics::Metrics;
 use crate::oci::{self, Digest};
-use crate::registry::{HOP_HEADER, zero_copy};
+use crate::registry::zero_copy;
 use crate::routing::Peer;
-use crate::trust::{ClusterSecret, TOKEN_HEADER, token};
+use crate::trust::{ClusterSecret, token};
+use crate::wire::{CLAIM_PATH, FOLLOW_HEADER, HOP_HEADER, TOKEN_HEADER};
 
 /// Manifest media types we accept from peers, most specific first.
 const MANIFEST_ACCEPT: &str = "application/vnd.oci.image.index.v1+json, application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json, application/vnd.docker.distribution.manifest.v2+json";

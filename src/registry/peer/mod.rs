@@ -11,10 +11,10 @@
 mod body;
 pub mod bound;
 pub mod client;
+pub mod diagnostic_pull;
 pub mod failure;
 mod health;
 pub mod response;
-pub mod test_pull;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

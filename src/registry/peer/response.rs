@@ -13,7 +13,6 @@ use tokio::io::AsyncReadExt;
 use tokio_util::io::ReaderStream;
 
 use super::failure::PeerFailure;
-use crate::registry::zero_copy;
 
 /// Read size on an upgraded connection: large reads keep the per-chunk work (hashing call,
 /// a frame to containerd) small next to the bytes.
@@ -52,9 +51,10 @@ impl PeerResponse {
         };
         let protocol = headers.get(header::UPGRADE).and_then(|v| v.to_str().ok());
         let (Some(status), Some(len), true) = (
-            number(zero_copy::STATUS_HEADER).and_then(|s| StatusCode::from_u16(s as u16).ok()),
-            number(zero_copy::LENGTH_HEADER),
-            protocol.is_some_and(|p| p.eq_ignore_ascii_case(zero_copy::PROTOCOL)),
+            number(crate::wire::ZERO_COPY_STATUS_HEADER)
+                .and_then(|s| StatusCode::from_u16(s as u16).ok()),
+            number(crate::wire::ZERO_COPY_LENGTH_HEADER),
+            protocol.is_some_and(|p| p.eq_ignore_ascii_case(crate::wire::ZERO_COPY_PROTOCOL)),
         ) else {
             return Err(PeerFailure::Status(StatusCode::SWITCHING_PROTOCOLS));
         };
@@ -63,7 +63,10 @@ impl PeerResponse {
             .await
             .map_err(|e| PeerFailure::Connect(e.to_string()))?;
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-        for name in [zero_copy::STATUS_HEADER, zero_copy::LENGTH_HEADER] {
+        for name in [
+            crate::wire::ZERO_COPY_STATUS_HEADER,
+            crate::wire::ZERO_COPY_LENGTH_HEADER,
+        ] {
             headers.remove(name);
         }
         for name in [header::UPGRADE, header::CONNECTION] {

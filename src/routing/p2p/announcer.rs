@@ -1,6 +1,6 @@
 //! The announcement state machine the event loop drives: which keys this node provides, which
 //! wait for a walk, which are planned for which node, and the rounds that announce them all
-//! again. Planning is `announce.rs`; this part owns the queries and requests in flight.
+//! again. Planning is `announce_plan.rs`; this part owns the queries and requests in flight.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
@@ -15,7 +15,7 @@ use libp2p::{Multiaddr, PeerId, Swarm};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
-use super::announce::{
+use super::announce_plan::{
     Hash, MAX_ADDRESSES, MAX_KEY_LEN, MAX_KEYS_PER_BATCH, Pending, ProvideAck, ProvideBatch,
     peer_hash, to_hash,
 };

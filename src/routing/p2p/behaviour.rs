@@ -11,14 +11,14 @@ use libp2p::swarm::NetworkBehaviour;
 use libp2p::{StreamProtocol, identify, kad, request_response};
 
 use super::anchors;
-use super::announce::{ProvideAck, ProvideBatch};
+use super::announce_plan::{ProvideAck, ProvideBatch};
 use super::store::ProviderStore;
 
 /// Kademlia protocol name: private, so Ferry's DHT never mixes with IPFS or other networks.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
 /// Identify protocol version; peers speaking another are not added to the DHT.
 pub const IDENTIFY_PROTOCOL: &str = "/ferry/id/1.0.0";
-/// Batched provider records (`announce.rs`), next to Kademlia.
+/// Batched provider records (`announce_plan.rs`), next to Kademlia.
 pub const PROVIDE_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/provide/1.0.0");
 /// A batch is at most 1,000 keys of at most 512 bytes (JSON-escaped, so twice that at worst).
 const PROVIDE_REQUEST_MAX: u64 = 1_200_000;

@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::announce::Hash;
+use super::announce_plan::Hash;
 
 /// A round starts early when the estimated network is this many times the size it was when
 /// the last round ended: records placed then are missed by under 0.5% of lookups up to here.
@@ -90,7 +90,7 @@ pub(crate) fn network_size(local: &Hash, peers: impl Iterator<Item = Hash>) -> f
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::routing::p2p::announce::peer_hash;
+    use crate::routing::p2p::announce_plan::peer_hash;
     use libp2p::PeerId;
 
     fn random_network(n: usize) -> (Hash, Vec<Hash>) {

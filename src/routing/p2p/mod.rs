@@ -3,7 +3,7 @@
 
 mod anchor_handler;
 mod anchors;
-mod announce;
+mod announce_plan;
 mod announcer;
 mod behaviour;
 mod closest;
