@@ -42,9 +42,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics, OutcomeLabels};
-use ferry::problems::Problems;
+use ferry::ops::problems::Problems;
 use ferry::registry::peer::{DEFAULT_RESOLVE_TIMEOUT_MAX, ResolveBound};
-use ferry::routing::Router;
+use ferry::routing::ContentRouting;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
     DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS,

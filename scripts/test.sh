@@ -20,6 +20,8 @@ echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
+echo "==> rooms: every room imports only what ARCHITECTURE.md allows"
+python3 scripts/check-rooms.py
 echo "==> cargo test"
 FERRY_FUZZ_SECONDS="${FERRY_FUZZ_SECONDS:-60}" cargo test --locked --all-targets --no-fail-fast
 cargo test --locked --doc

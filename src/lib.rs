@@ -13,41 +13,34 @@
 //!   containerd and in-memory stores, one conformance check; the only code that knows
 //!   containerd's on-disk layout.
 //! - [`containerd_config`]: the `hosts.toml` merge/cleanup and containerd config preflight.
-//! - [`routing`]: the `Router` trait (libp2p Kademlia, in-memory), bootstrap, store sync.
+//! - [`routing`]: the content routing trait (libp2p Kademlia, in-memory), bootstrap, store sync.
 //! - [`registry`]: the mirror and peer addresses (two routers), peer fetch, tag policy and
 //!   the upstream reachability probe.
 //! - [`coalesce`]: storm-proof rollouts: one leader per digest, followers streaming its
 //!   download in progress (coordinator, lease table, this node's transfers).
 //! - [`trust`]: the cluster secret, the private-network key, peer request tokens.
-//! - [`ops`]: `/metrics`, `/healthz`, `/readyz`, `/status`.
-//! - [`status`]: what `ferry status` shows (readiness, problems, peers, recent pulls).
-//! - [`problems`]: what makes Ferry less useful on a node without making it unready (a split
-//!   peer network, a changed cluster secret, no peers), shown in `/readyz` and a metric.
+//! - [`ops`]: operator surfaces: `/metrics`, `/healthz`, `/readyz`, `ferry status`, the debug
+//!   page, and the problems that make Ferry less useful on a node without making it unready.
 //! - [`kubernetes`]: peer bootstrap from the DaemonSet's pods, the node-ready taint.
-//! - [`limits`]: connection and in-flight request bounds on the listeners.
-//! - [`host_addr`]: the address other nodes reach this one at, when none is given.
-//! - [`server`]: the HTTP accept loop (header read timeout, graceful drain).
-//! - [`metrics`]: every metric family in one place.
+//! - [`net`]: plumbing: the HTTP accept loop, connection and request bounds, the advertised
+//!   address.
+//! - [`metrics`]: every metric family in one place, and the process collector.
 //! - [`wire`]: the headers, paths and protocol names on the wire between nodes.
+//!
+//! The rooms and what each may import: `ARCHITECTURE.md`.
 
 pub mod app;
 pub mod cli;
 pub mod coalesce;
 pub mod config;
 pub mod containerd_config;
-pub mod debug_page;
-pub mod host_addr;
 pub mod kubernetes;
-pub mod limits;
 pub mod metrics;
+pub mod net;
 pub mod oci;
 pub mod ops;
-pub mod problems;
-pub mod process;
 pub mod registry;
 pub mod routing;
-pub mod server;
-pub mod status;
 pub mod store;
 pub mod trust;
 pub mod wire;

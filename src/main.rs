@@ -135,7 +135,7 @@ fn status(config: &Config, json: bool) -> anyhow::Result<()> {
         println!("{body}");
         return Ok(());
     }
-    let status: ferry::status::Status = serde_json::from_str(&body)?;
+    let status: ferry::ops::status::Status = serde_json::from_str(&body)?;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

@@ -749,7 +749,7 @@ fn idle_connections_never_take_every_slot_and_probes_keep_answering() {
             );
         }
     }
-    std::thread::sleep(ferry::server::HEAD_DEADLINE + Duration::from_secs(2));
+    std::thread::sleep(ferry::net::server::HEAD_DEADLINE + Duration::from_secs(2));
     let still_open = idle
         .iter()
         .filter(|s| {

@@ -12,13 +12,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
-use ferry::problems::Problems;
+use ferry::ops::problems::Problems;
 use ferry::routing::bootstrap::{Bootstrap, StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
     ANCHORS, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming,
     REPLICAS,
 };
-use ferry::routing::{Peer, Router};
+use ferry::routing::{ContentRouting, Peer};
 use ferry::trust::ClusterSecret;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;

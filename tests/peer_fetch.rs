@@ -17,7 +17,7 @@ use ferry::registry::ResolveTags;
 use ferry::registry::peer::PeerFetchConfig;
 use ferry::routing::memory::MemoryNetwork;
 use ferry::routing::sync::SyncConfig;
-use ferry::routing::{Peer, Router};
+use ferry::routing::{ContentRouting, Peer};
 use ferry::store::memory::MemoryStore;
 use ferry::trust::{ClusterSecret, token};
 use ferry::wire::TOKEN_HEADER;
@@ -202,7 +202,7 @@ fn memory_peering_verifying(
 ) -> Peering {
     let mut fetch = PeerFetchConfig::with_resolve_timeout(Duration::from_millis(500));
     fetch.verify_before_serving = verify_limit;
-    Peering::Router {
+    Peering::Given {
         router: Arc::new(network.node(Peer {
             id: id.into(),
             addr: http,
@@ -717,7 +717,7 @@ async fn a_peer_serving_wrong_bytes_is_quarantined_and_ferry_status_says_so() {
     assert_eq!(passed_over[0]["id"], "a-liar");
     assert_eq!(passed_over[0]["quarantined"], true);
     assert!(passed_over[0]["seconds_left"].as_u64().unwrap() > 60);
-    let text: ferry::status::Status = serde_json::from_value(status).unwrap();
+    let text: ferry::ops::status::Status = serde_json::from_value(status).unwrap();
     assert!(
         text.text(0).contains("a-liar: QUARANTINED"),
         "{}",

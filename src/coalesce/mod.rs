@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use crate::metrics::{CoalesceLabels, Metrics};
 use crate::oci::Digest;
-use crate::routing::{Peer, Router};
+use crate::routing::{ContentRouting, Peer};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing, Scope};
 use leases::{Grant, LEASE, Leases};
@@ -81,7 +81,7 @@ pub enum Decision {
 
 /// One node's part: its coordinator table, the digests it leads, and claiming.
 pub struct Coalescer {
-    router: Arc<dyn Router>,
+    router: Arc<dyn ContentRouting>,
     /// Where this node's downloads land.
     store: Arc<dyn ContentStore>,
     config: CoalesceConfig,
@@ -117,7 +117,7 @@ pub trait ClaimSender: Send + Sync + 'static {
 
 impl Coalescer {
     pub fn new(
-        router: Arc<dyn Router>,
+        router: Arc<dyn ContentRouting>,
         store: Arc<dyn ContentStore>,
         config: CoalesceConfig,
         metrics: Arc<Metrics>,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::events::{self, NodeEvent};
-use crate::problems::Problems;
+use crate::ops::problems::Problems;
 
 /// How often the problems are looked at: they change at most every few seconds (the
 /// containerd config is re-read each minute; a handshake failure holds for a while).

@@ -36,7 +36,7 @@ impl Algorithm {
     }
 }
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum DigestError {
     #[error("digest has no ':' separating algorithm and hex")]
     MissingSeparator,

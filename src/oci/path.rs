@@ -44,7 +44,7 @@ impl fmt::Display for Reference {
     }
 }
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum PathError {
     #[error("not a registry API path")]
     UnknownEndpoint,

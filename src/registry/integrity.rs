@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::metrics::Metrics;
 use crate::oci::Digest;
-use crate::routing::{Router, digest_key};
+use crate::routing::{ContentRouting, digest_key};
 use crate::store::ContentStore;
 
 /// Verdicts kept at most (about 100 bytes each); beyond, they are forgotten and reached again.
@@ -48,7 +48,7 @@ pub struct Integrity {
     /// Where the blob files are.
     store: Arc<dyn ContentStore>,
     /// To withdraw what this node must not serve.
-    router: Arc<dyn Router>,
+    router: Arc<dyn ContentRouting>,
     metrics: Arc<Metrics>,
     verdicts: Mutex<HashMap<Digest, (FileId, bool)>>,
     /// One hash per digest at a time; entries go when their hash is done.
@@ -64,7 +64,7 @@ impl std::fmt::Debug for Integrity {
 impl Integrity {
     pub fn new(
         store: Arc<dyn ContentStore>,
-        router: Arc<dyn Router>,
+        router: Arc<dyn ContentRouting>,
         metrics: Arc<Metrics>,
     ) -> Self {
         Integrity {
@@ -207,7 +207,7 @@ mod tests {
             id: "a".into(),
             addr: "127.0.0.1:1".parse().unwrap(),
         };
-        let router: Arc<dyn Router> = Arc::new(MemoryNetwork::new().node(me));
+        let router: Arc<dyn ContentRouting> = Arc::new(MemoryNetwork::new().node(me));
         let metrics = Arc::new(Metrics::new());
         let check = Arc::new(Integrity::new(store, router, metrics.clone()));
         assert_eq!(check.check(&digest).await, Check::Good);
@@ -235,7 +235,7 @@ mod tests {
             id: "a".into(),
             addr: "127.0.0.1:1".parse().unwrap(),
         };
-        let router: Arc<dyn Router> = Arc::new(MemoryNetwork::new().node(me));
+        let router: Arc<dyn ContentRouting> = Arc::new(MemoryNetwork::new().node(me));
         let check = Arc::new(Integrity::new(store, router, Arc::new(Metrics::new())));
         let gave_up =
             tokio::time::timeout(std::time::Duration::from_millis(1), check.check(&digest)).await;

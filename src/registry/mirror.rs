@@ -14,7 +14,8 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, Method, Uri, header};
+use axum::http::header;
+use axum::middleware;
 use axum::response::Response;
 use futures::StreamExt;
 
@@ -22,7 +23,7 @@ use super::in_flight::{self, Opened};
 use super::local::Local;
 use super::peer::{PeerFetcher, PeerRequest};
 use super::recent::RecentPulls;
-use super::request::{self, Listener, Request};
+use super::request::{self, Counting, Listener, Mirrored, Pull};
 use super::tags::{ResolveTags, TagRoute};
 use super::upstream::{UpstreamWatch, Verdict};
 use super::{ApiError, Source};
@@ -77,32 +78,29 @@ pub fn router(state: MirrorState) -> Router {
         store: state.store.clone(),
         metrics: state.metrics.clone(),
     };
+    let counting = Counting {
+        listener: Listener::Mirror,
+        metrics: state.metrics.clone(),
+    };
     Router::new()
         .fallback(handle)
+        .layer(middleware::from_fn_with_state(counting, request::counted))
         .with_state(Arc::new(Mirror { state, local }))
 }
 
-async fn handle(
-    State(mirror): State<Arc<Mirror>>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-) -> Response {
-    let state = &mirror.state;
-    request::handle(
-        Listener::Mirror,
-        &state.metrics,
-        &state.registries,
-        (&method, &uri, &headers),
-        || Ok(()),
-        |req| answer(&mirror, req),
-    )
-    .await
+impl Mirrored for Arc<Mirror> {
+    fn registries(&self) -> &Registries {
+        &self.state.registries
+    }
 }
 
-async fn answer(mirror: &Mirror, req: Request<'_>) -> Result<Response, ApiError> {
+async fn handle(State(mirror): State<Arc<Mirror>>, pull: Pull) -> Response {
+    request::answered(answer(&mirror, pull).await)
+}
+
+async fn answer(mirror: &Mirror, req: Pull) -> Result<Response, ApiError> {
     match &req.path {
-        ApiPath::Base => Ok(Request::base()),
+        ApiPath::Base => Ok(Pull::base()),
         ApiPath::Manifest {
             name,
             reference: Reference::Tag(tag),
@@ -120,7 +118,7 @@ async fn answer(mirror: &Mirror, req: Request<'_>) -> Result<Response, ApiError>
 /// registry) or through peers, as `--resolve-tags` and the registry's state say.
 async fn resolve_tag(
     mirror: &Mirror,
-    req: &Request<'_>,
+    req: &Pull,
     name: &str,
     tag: &str,
 ) -> Result<Response, ApiError> {
@@ -189,7 +187,7 @@ async fn resolve_tag(
 /// is reported and the decision taken again, once. Anything else is a 404, as without.
 async fn follow(
     mirror: &Mirror,
-    req: &Request<'_>,
+    req: &Pull,
     name: &str,
     digest: &Digest,
     kind: Kind,
@@ -274,7 +272,7 @@ impl Kind {
 /// further than one hop); then the node downloading it as the leader (`follow`); then a 404.
 async fn by_digest(
     mirror: &Mirror,
-    req: &Request<'_>,
+    req: &Pull,
     name: &str,
     digest: &Digest,
     kind: Kind,
@@ -334,7 +332,7 @@ async fn by_digest(
 /// This node's store.
 async fn local(
     mirror: &Mirror,
-    req: &Request<'_>,
+    req: &Pull,
     name: &str,
     digest: &Digest,
     kind: Kind,
@@ -344,14 +342,19 @@ async fn local(
             let reference = Reference::Digest(digest.clone());
             mirror.local.manifest(req.head, None, name, reference).await
         }
-        Kind::Blob => mirror.local.blob(req.head, req.headers, digest, None).await,
+        Kind::Blob => {
+            mirror
+                .local
+                .blob(req.head, &req.headers, digest, None)
+                .await
+        }
     }
 }
 
 /// The coalescer, if this request may be coalesced: coalescing is on, the request is this
 /// node's containerd's (not a peer's: never forwarded) and for an image shared with peers
 /// (`--registry-filters`: a filtered registry is never followed or served).
-fn coalescing<'a>(state: &'a MirrorState, req: &Request<'_>, name: &str) -> Option<&'a Coalescer> {
+fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a Coalescer> {
     let coalesce = state.coalesce.as_deref()?;
     let ns = req.ns.as_deref()?;
     let shared = state.filters.allows(&format!("{ns}/{name}"));
@@ -364,15 +367,15 @@ fn coalescing<'a>(state: &'a MirrorState, req: &Request<'_>, name: &str) -> Opti
 /// all (then the usual path answers).
 async fn share(
     state: &MirrorState,
-    req: &Request<'_>,
+    req: &Pull,
     digest: &Digest,
     kind: Kind,
     landing: Landing,
 ) -> Option<Response> {
     let store = state.store.as_ref();
-    let landed = || in_flight::open_landed(store, digest, req.headers);
+    let landed = || in_flight::open_landed(store, digest, &req.headers);
     let body = match landing {
-        Landing::InFlight(download) => match in_flight::open(&download, req.headers, None).await {
+        Landing::InFlight(download) => match in_flight::open(&download, &req.headers, None).await {
             Ok(Opened::Body(body)) => body,
             // Landed between being found growing and being opened, as a small blob often
             // does. (Seen on containerd 1.7: the request went upstream a second time.)
@@ -406,7 +409,7 @@ fn keep(response: Response, transfer: Option<Transfer>) -> Response {
 /// checks before a GET, not pulls of their own).
 fn remember(
     state: &MirrorState,
-    req: &Request<'_>,
+    req: &Pull,
     what: String,
     kind: &'static str,
     source: Source,
@@ -425,7 +428,7 @@ fn remember(
 /// (`ferry_served_total`, `ferry_served_bytes_total`).
 fn served_by(
     state: &MirrorState,
-    req: &Request<'_>,
+    req: &Pull,
     what: String,
     kind: Kind,
     source: Source,

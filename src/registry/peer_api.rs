@@ -17,8 +17,10 @@ use std::sync::Arc;
 use std::collections::HashMap;
 
 use axum::Router;
+use axum::extract::Request;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, Uri};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use hyper::upgrade::OnUpgrade;
@@ -28,7 +30,7 @@ use super::in_flight::{self, Opened};
 use super::integrity::{Check, Integrity};
 use super::local::Local;
 use super::peer::ClaimAnswer;
-use super::request::{self, Listener, Request};
+use super::request::{self, Counting, Listener, Mirrored, Pull};
 use super::zero_copy;
 use super::{ApiError, Source};
 use crate::coalesce::Coalescer;
@@ -78,30 +80,41 @@ struct PeerApi {
     local: Local,
 }
 
-/// The peer address's router (one handler, for the same reason as the mirror's).
+/// The peer address's router: claims, and pulls through one handler (for the same reason as
+/// the mirror's). Every request shows its token first ([`authorized`]); pulls are counted and
+/// logged ([`request::counted`]), 401s included.
 pub fn router(state: PeerApiState) -> Router {
     let local = Local {
         store: state.store.clone(),
         metrics: state.metrics.clone(),
     };
+    let counting = Counting {
+        listener: Listener::Peer,
+        metrics: state.metrics.clone(),
+    };
+    let api = Arc::new(PeerApi { state, local });
+    let auth = middleware::from_fn_with_state(api.clone(), authorized);
+    let pulls = Router::new()
+        .fallback(handle)
+        .layer(auth.clone())
+        .layer(middleware::from_fn_with_state(counting, request::counted))
+        .with_state(api.clone());
     Router::new()
         .route(&format!("{CLAIM_PATH}{{digest}}"), post(claim))
-        .fallback(handle)
-        .with_state(Arc::new(PeerApi { state, local }))
+        .route_layer(auth)
+        .fallback_service(pulls)
+        .with_state(api)
+}
+
+impl Mirrored for Arc<PeerApi> {
+    fn registries(&self) -> &Registries {
+        &self.state.registries
+    }
 }
 
 /// A claim from another node: this node coordinates the digest.
-async fn claim(
-    State(api): State<Arc<PeerApi>>,
-    Path(digest): Path<String>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-) -> Response {
+async fn claim(State(api): State<Arc<PeerApi>>, Path(digest): Path<String>, uri: Uri) -> Response {
     let state = &api.state;
-    if let Err(e) = authorize(state, &method, &uri, &headers) {
-        return e.into_response();
-    }
     let Some(coalesce) = &state.coalesce else {
         return ApiError::Unsupported.into_response();
     };
@@ -127,28 +140,11 @@ async fn claim(
     axum::Json(ClaimAnswer::from_grant(&grant)).into_response()
 }
 
-async fn handle(State(api): State<Arc<PeerApi>>, mut request: axum::extract::Request) -> Response {
-    // The connection itself, for a blob the asker takes with `sendfile` (`zero_copy.rs`).
-    let on_upgrade = request.extensions_mut().remove::<OnUpgrade>();
-    let (parts, _) = request.into_parts();
-    let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
-    let state = &api.state;
-    request::handle(
-        Listener::Peer,
-        &state.metrics,
-        &state.registries,
-        (&method, &uri, &headers),
-        || authorize(state, &method, &uri, &headers),
-        |req| answer(&api, req, on_upgrade),
-    )
-    .await
+async fn handle(State(api): State<Arc<PeerApi>>, pull: Pull) -> Response {
+    request::answered(answer(&api, pull).await)
 }
 
-async fn answer(
-    api: &PeerApi,
-    req: Request<'_>,
-    on_upgrade: Option<OnUpgrade>,
-) -> Result<Response, ApiError> {
+async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
     if let (Some(coalesce), Some(digest), true) = (
         &api.state.coalesce,
         by_digest(&req.path),
@@ -164,15 +160,15 @@ async fn answer(
         });
     }
     match &req.path {
-        ApiPath::Base => Ok(Request::base()),
+        ApiPath::Base => Ok(Pull::base()),
         ApiPath::Manifest { name, reference } => {
             api.local
                 .manifest(req.head, req.ns.as_deref(), name, reference.clone())
                 .await
         }
         ApiPath::Blob { digest, .. } => {
-            let zero_copy =
-                on_upgrade.filter(|_| api.state.zero_copy && zero_copy::offered(req.headers));
+            let offered = api.state.zero_copy && zero_copy::offered(&req.headers);
+            let zero_copy = req.upgrade.take().filter(|_| offered);
             stored_blob(api, &req, digest, zero_copy).await
         }
         ApiPath::Upload { .. } | ApiPath::TagsList { .. } => Err(ApiError::Unsupported),
@@ -185,7 +181,7 @@ async fn answer(
 /// commit is served the stored blob. `zero_copy`: sent with `sendfile` (`zero_copy.rs`).
 async fn stored_blob(
     api: &PeerApi,
-    req: &Request<'_>,
+    req: &Pull,
     digest: &Digest,
     zero_copy: Option<OnUpgrade>,
 ) -> Result<Response, ApiError> {
@@ -196,7 +192,7 @@ async fn stored_blob(
         return Err(ApiError::BlobUnknown);
     }
     api.local
-        .blob(req.head, req.headers, digest, zero_copy)
+        .blob(req.head, &req.headers, digest, zero_copy)
         .await
 }
 
@@ -216,7 +212,7 @@ fn by_digest(path: &ApiPath) -> Option<&Digest> {
 async fn in_flight(
     api: &PeerApi,
     coalesce: &Coalescer,
-    req: &Request<'_>,
+    req: &Pull,
     digest: &Digest,
 ) -> Result<Response, ApiError> {
     let complete = || async {
@@ -256,7 +252,7 @@ async fn in_flight(
         // Committed meanwhile, or never started (then the follower goes elsewhere).
         Landing::Committed | Landing::Nothing => return settled().await,
     };
-    let body = match in_flight::open(&download, req.headers, Some(deadline)).await? {
+    let body = match in_flight::open(&download, &req.headers, Some(deadline)).await? {
         Opened::Body(body) => body,
         Opened::Landed => return settled().await,
         Opened::Stalled => {
@@ -272,8 +268,21 @@ async fn in_flight(
     Ok(request::sourced(answer, Source::InFlight))
 }
 
-/// Peer requests carry a token signed with the cluster secret (when there is one). Checked
-/// before anything else, so an unauthenticated caller learns nothing about what exists.
+/// Middleware: peer requests carry a token signed with the cluster secret (when there is
+/// one). Checked before anything else, so an unauthenticated caller learns nothing about what
+/// exists.
+async fn authorized(State(api): State<Arc<PeerApi>>, request: Request, next: Next) -> Response {
+    match authorize(
+        &api.state,
+        request.method(),
+        request.uri(),
+        request.headers(),
+    ) {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
+    }
+}
+
 fn authorize(
     state: &PeerApiState,
     method: &Method,

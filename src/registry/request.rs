@@ -1,30 +1,38 @@
-//! What both addresses do with a request before and after their own policy: parse the path
-//! and the method, read `?ns=`, and count and log the answer.
+//! What both addresses do around their own policy, in axum's terms: the [`counted`] middleware
+//! parses the path once, then counts and logs every answer; the [`Pull`] extractor turns the
+//! request into what a policy reads (method, path, `?ns=`). A request goes down through these
+//! and comes back up; the policy never calls back into them.
 
-use std::future::Future;
+use std::sync::Arc;
 use std::time::Instant;
 
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
+use hyper::upgrade::OnUpgrade;
 
 use super::{ApiError, Source};
 use crate::metrics::{KindLabels, Metrics, RequestLabels, SourceLabels};
 use crate::oci::registry::{Registries, registry_host};
-use crate::oci::{self, ApiPath, path};
+use crate::oci::{self, ApiPath, PathError, path};
 
-/// One parsed request, as both routers' policies see it.
+/// One parsed pull request, as both routers' policies see it.
 #[derive(Debug)]
-pub(super) struct Request<'a> {
+pub(super) struct Pull {
     pub path: ApiPath,
     pub head: bool,
     /// The upstream registry containerd is pulling from (`?ns=`), already checked against
     /// the mirrored registries.
     pub ns: Option<String>,
-    pub headers: &'a HeaderMap,
+    pub headers: HeaderMap,
+    /// The connection itself, for a blob the asker takes with `sendfile` (`zero_copy.rs`).
+    pub upgrade: Option<OnUpgrade>,
 }
 
-impl Request<'_> {
+impl Pull {
     /// The `/v2/` answer: both addresses speak the registry API.
     pub fn base() -> Response {
         (
@@ -36,6 +44,48 @@ impl Request<'_> {
             "{}",
         )
             .into_response()
+    }
+}
+
+/// The path as [`counted`] parsed it, handed to the extractor so it is parsed once.
+#[derive(Debug, Clone)]
+struct Parsed(Result<ApiPath, PathError>);
+
+/// A router's state that knows which registries its address mirrors.
+pub(super) trait Mirrored {
+    fn registries(&self) -> &Registries;
+}
+
+impl<S> FromRequestParts<S> for Pull
+where
+    S: Mirrored + Send + Sync,
+{
+    type Rejection = ApiError;
+
+    /// Pulls only (GET and HEAD), of mirrored registries only.
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let head = match parts.method {
+            Method::GET => false,
+            Method::HEAD => true,
+            _ => return Err(ApiError::MethodNotAllowed),
+        };
+        let ns = registry_param(&parts.uri)?;
+        if let Some(ns) = &ns
+            && !state.registries().includes(ns)
+        {
+            return Err(ApiError::NotMirrored(ns.clone()));
+        }
+        let parsed = match parts.extensions.remove::<Parsed>() {
+            Some(Parsed(parsed)) => parsed,
+            None => path::parse(parts.uri.path()),
+        };
+        Ok(Pull {
+            path: parsed?,
+            head,
+            ns,
+            headers: std::mem::take(&mut parts.headers),
+            upgrade: parts.extensions.remove::<OnUpgrade>(),
+        })
     }
 }
 
@@ -57,29 +107,46 @@ impl Listener {
     }
 }
 
-/// `response`, marked as coming from `source`, for [`handle`], the one place that counts
-/// answers and their bytes. An answer without a mark came from this node's store.
+/// What [`counted`] needs.
+#[derive(Debug, Clone)]
+pub(super) struct Counting {
+    pub listener: Listener,
+    pub metrics: Arc<Metrics>,
+}
+
+/// A policy's answer as a response: marked [`Source::Local`] when the policy set no source
+/// (the store answered), [`Source::Miss`] when nobody had it.
+pub(super) fn answered(result: Result<Response, ApiError>) -> Response {
+    match result {
+        Ok(mut response) => {
+            if response.extensions().get::<Source>().is_none() {
+                response.extensions_mut().insert(Source::Local);
+            }
+            response
+        }
+        // Nobody had it (this node, its peers, a leader): what `source="miss"` counts.
+        Err(e @ (ApiError::ManifestUnknown | ApiError::BlobUnknown)) => {
+            sourced(e.into_response(), Source::Miss)
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `response`, marked as coming from `source`, for [`counted`], the one place that counts
+/// answers and their bytes.
 pub(super) fn sourced(mut response: Response, source: Source) -> Response {
     response.extensions_mut().insert(source);
     response
 }
 
-/// Runs `precheck` (the peer address's token check, before anything is looked at), parses
-/// `method`, `uri` and `?ns=` into a [`Request`] (pulls only; registries not mirrored are
-/// refused), runs `answer` on it, and counts and logs what it answered.
-pub(super) async fn handle<'a, F, Fut>(
-    listener: Listener,
-    metrics: &Metrics,
-    registries: &Registries,
-    (method, uri, headers): (&Method, &Uri, &'a HeaderMap),
-    precheck: impl FnOnce() -> Result<(), ApiError>,
-    answer: F,
-) -> Response
-where
-    F: FnOnce(Request<'a>) -> Fut,
-    Fut: Future<Output = Result<Response, ApiError>>,
-{
+/// Middleware: parses the path once, and counts and logs what the address answered.
+pub(super) async fn counted(
+    State(counting): State<Counting>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let started = Instant::now();
+    let (method, uri) = (request.method().clone(), request.uri().clone());
     let parsed = path::parse(uri.path());
     let kind = match &parsed {
         Ok(ApiPath::Manifest { .. }) => "manifest",
@@ -87,45 +154,14 @@ where
         Ok(ApiPath::Base) => "base",
         _ => "other",
     };
-    let request = (|| {
-        precheck()?;
-        let head = match *method {
-            Method::GET => false,
-            Method::HEAD => true,
-            _ => return Err(ApiError::MethodNotAllowed),
-        };
-        let ns = registry_param(uri)?;
-        if let Some(ns) = &ns
-            && !registries.includes(ns)
-        {
-            return Err(ApiError::NotMirrored(ns.clone()));
-        }
-        Ok(Request {
-            path: parsed?,
-            head,
-            ns,
-            headers,
-        })
-    })();
-    let head = *method == Method::HEAD;
-    let (response, source) = match request {
-        Ok(request) => match answer(request).await {
-            Ok(r) => {
-                let source = r.extensions().get::<Source>().copied();
-                let source = source.unwrap_or(Source::Local);
-                (r, Some(source))
-            }
-            // Nobody had it (this node, its peers, a leader): what `source="miss"` counts.
-            Err(e @ (ApiError::ManifestUnknown | ApiError::BlobUnknown)) => {
-                (e.into_response(), Some(Source::Miss))
-            }
-            Err(e) => (e.into_response(), None),
-        },
-        Err(e) => (e.into_response(), None),
-    };
-    let listener = listener.label();
+    request.extensions_mut().insert(Parsed(parsed));
+    let response = next.run(request).await;
+    let metrics = &counting.metrics;
+    let listener = counting.listener.label();
+    let source = response.extensions().get::<Source>().copied();
     let response = match (kind, source) {
         ("manifest" | "blob", Some(source)) => {
+            let head = method == Method::HEAD;
             count_served(metrics, listener, kind, source, head, response)
         }
         _ => response,
@@ -138,7 +174,7 @@ where
             kind,
             // A fixed set: any other token is a valid HTTP method, and a label per spelling
             // would grow without bound.
-            method: match *method {
+            method: match method {
                 Method::GET => "GET",
                 Method::HEAD => "HEAD",
                 _ => "other",

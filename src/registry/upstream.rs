@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::containerd_config::dir::upstream_roots;
 use crate::metrics::{Metrics, ProbeLabels, RegistryLabels};
+use crate::oci::registry::Registries;
 
 /// A registry in use is probed this often: an outage is noticed within this, and a node sends
 /// each registry at most 6 probes a minute.
@@ -122,6 +123,36 @@ impl std::fmt::Debug for UpstreamWatch {
 }
 
 impl UpstreamWatch {
+    /// Probes the registries of `registries` (others on their first use) for
+    /// `--resolve-tags when-upstream-fails`. `None` (it cannot fail in practice): every
+    /// registry counts as answering, and tags go upstream.
+    pub fn watch(
+        registries: &Registries,
+        hosts_dir: PathBuf,
+        mirror_url: String,
+        metrics: Arc<Metrics>,
+        token: CancellationToken,
+    ) -> Option<UpstreamWatch> {
+        let watched = match registries {
+            Registries::Only(list) => list.clone(),
+            Registries::All => Vec::new(),
+        };
+        let config = UpstreamConfig {
+            hosts_dir,
+            mirror_url,
+            watched,
+            interval: PROBE_INTERVAL,
+            timeout: PROBE_TIMEOUT,
+        };
+        match UpstreamWatch::start(config, metrics, token) {
+            Ok(watch) => Some(watch),
+            Err(e) => {
+                tracing::error!(error = %e, "tags always resolve upstream: the registries cannot be probed");
+                None
+            }
+        }
+    }
+
     /// Starts probing the named registries; others start on their first use. Probes stop
     /// when `token` is cancelled.
     pub fn start(

@@ -26,7 +26,7 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 
-use crate::limits::LimitedStream;
+use crate::net::limits::LimitedStream;
 
 use crate::wire::{ZERO_COPY_LENGTH_HEADER, ZERO_COPY_PROTOCOL, ZERO_COPY_STATUS_HEADER};
 

@@ -1,4 +1,4 @@
-//! An in-memory [`Router`] for tests of the logic above routing: every node of one
+//! An in-memory [`ContentRouting`] for tests of the logic above routing: every node of one
 //! [`MemoryNetwork`] sees the others' advertisements at once.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc;
 
-use super::{Peer, PeerStream, Router, RouterError};
+use super::{ContentRouting, Peer, PeerStream, RoutingError};
 
 #[derive(Debug, Default, Clone)]
 pub struct MemoryNetwork {
@@ -56,7 +56,7 @@ impl MemoryRouter {
 }
 
 #[async_trait::async_trait]
-impl Router for MemoryRouter {
+impl ContentRouting for MemoryRouter {
     fn ready(&self) -> bool {
         true
     }
@@ -96,7 +96,7 @@ impl Router for MemoryRouter {
         rx
     }
 
-    async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError> {
+    async fn advertise(&self, keys: Vec<String>) -> Result<(), RoutingError> {
         let mut map = self.network.providers();
         for key in keys {
             map.entry(key).or_default().insert(self.me());
@@ -104,7 +104,7 @@ impl Router for MemoryRouter {
         Ok(())
     }
 
-    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RouterError> {
+    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RoutingError> {
         let mut map = self.network.providers();
         for key in keys {
             if let Some(set) = map.get_mut(&key) {

@@ -1,4 +1,4 @@
-//! Who has a key: the narrow [`Router`] trait, its libp2p implementation, an in-memory one for
+//! Who has a key: the narrow [`ContentRouting`] trait, its libp2p implementation, an in-memory one for
 //! tests, bootstrap sources, and the sync that advertises what the store holds.
 //!
 //! Keys are strings in one key space for all registries: a digest (`sha256:<hex>`) for content,
@@ -29,7 +29,7 @@ pub struct Peer {
 pub type PeerStream = mpsc::Receiver<Peer>;
 
 #[derive(Debug, thiserror::Error)]
-pub enum RouterError {
+pub enum RoutingError {
     #[error("the routing task has stopped")]
     Stopped,
     #[error("cannot advertise: {0}")]
@@ -37,7 +37,7 @@ pub enum RouterError {
 }
 
 #[async_trait::async_trait]
-pub trait Router: Send + Sync + 'static {
+pub trait ContentRouting: Send + Sync + 'static {
     /// Connected to at least one peer (or alone by configuration).
     fn ready(&self) -> bool;
 
@@ -57,16 +57,16 @@ pub trait Router: Send + Sync + 'static {
 
     /// The node that coordinates `key` (see `coalesce`), this node included: the same node
     /// for every node that asks, as far as the router can make it so. `None`: the router has
-    /// no way to tell (or could not in time), and the caller picks among [`Router::members`].
+    /// no way to tell (or could not in time), and the caller picks among [`ContentRouting::members`].
     async fn coordinator(&self, _key: &str) -> Option<Peer> {
         None
     }
 
     /// Announces that this node serves `keys`.
-    async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError>;
+    async fn advertise(&self, keys: Vec<String>) -> Result<(), RoutingError>;
 
     /// Stops announcing `keys` (other nodes forget them when their records expire).
-    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RouterError>;
+    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RoutingError>;
 }
 
 /// The key for content with this digest.

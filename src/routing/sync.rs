@@ -19,7 +19,7 @@ use serde::Deserialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::{Router, digest_key, tag_key};
+use super::{ContentRouting, digest_key, tag_key};
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::oci::Digest;
 use crate::oci::manifest::MAX_MANIFEST_BYTES;
@@ -60,7 +60,7 @@ pub fn exposure() -> (watch::Sender<Exposed>, watch::Receiver<Exposed>) {
 /// Runs until `token` is cancelled.
 pub async fn run(
     store: Arc<dyn ContentStore>,
-    router: Arc<dyn Router>,
+    router: Arc<dyn ContentRouting>,
     config: SyncConfig,
     metrics: Arc<Metrics>,
     exposed: watch::Sender<Exposed>,
@@ -250,7 +250,7 @@ impl Advertised {
 
 struct Reconciler<'a> {
     store: &'a dyn ContentStore,
-    router: &'a dyn Router,
+    router: &'a dyn ContentRouting,
     config: &'a SyncConfig,
     metrics: &'a Metrics,
     exposed: &'a watch::Sender<Exposed>,
@@ -612,7 +612,7 @@ mod tests {
         task: tokio::task::JoinHandle<()>,
     }
 
-    fn start_sync(store: Arc<dyn ContentStore>, router: Arc<dyn Router>) -> Running {
+    fn start_sync(store: Arc<dyn ContentStore>, router: Arc<dyn ContentRouting>) -> Running {
         let metrics = Arc::new(Metrics::new());
         let config = SyncConfig {
             registries: Registries::All,

@@ -31,7 +31,7 @@ use crate::coalesce::leases::Grant;
 use crate::metrics::{Metrics, ResultLabels};
 use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_media_type};
 use crate::oci::{self, Digest, Reference};
-use crate::routing::{Peer, Router, digest_key, tag_key};
+use crate::routing::{ContentRouting, Peer, digest_key, tag_key};
 use crate::store::ContentStore;
 use crate::trust::ClusterSecret;
 use body::{Fetch, Resume, ResumingBody};
@@ -40,6 +40,12 @@ pub use client::{ClaimAnswer, PeerCall, PeerClient};
 pub use failure::PeerFailure;
 use health::PeerHealth;
 use response::PeerResponse;
+
+/// The lookup times the wait for a lookup comes from (`bound.rs`), in the data directory: a
+/// restarted node waits as it had learnt to.
+pub const LOOKUP_TIMES_FILE: &str = "lookup-times";
+/// How often they are kept while running (and once more at shutdown).
+const KEEP_LEARNT_EVERY: Duration = Duration::from_secs(600);
 
 /// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
 const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
@@ -105,7 +111,7 @@ impl PeerFetchConfig {
 type SharedLookup = futures::future::Shared<futures::future::BoxFuture<'static, Vec<Peer>>>;
 
 pub struct PeerFetcher {
-    router: Arc<dyn Router>,
+    router: Arc<dyn ContentRouting>,
     client: PeerClient,
     config: PeerFetchConfig,
     metrics: Arc<Metrics>,
@@ -130,7 +136,7 @@ impl std::fmt::Debug for PeerFetcher {
 
 impl PeerFetcher {
     pub fn new(
-        router: Arc<dyn Router>,
+        router: Arc<dyn ContentRouting>,
         config: PeerFetchConfig,
         secret: Option<ClusterSecret>,
         metrics: Arc<Metrics>,
@@ -451,6 +457,22 @@ impl PeerFetcher {
         self
     }
 
+    /// Keeps the lookup times every [`KEEP_LEARNT_EVERY`] and once more when `token` is
+    /// cancelled: a node that loses power loses at most that much of what it learnt.
+    pub async fn keep_learnt_until(
+        self: Arc<Self>,
+        path: std::path::PathBuf,
+        token: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                () = token.cancelled() => break,
+                () = tokio::time::sleep(KEEP_LEARNT_EVERY) => self.keep_learnt(&path),
+            }
+        }
+        self.keep_learnt(&path);
+    }
+
     /// Keeps the lookup times the wait comes from at `path`, for the next run.
     pub fn keep_learnt(&self, path: &std::path::Path) {
         let times = self.bound.times();
@@ -485,7 +507,7 @@ fn cache_ttl(peers: &[Peer]) -> Duration {
 
 /// One provider lookup, shareable by concurrent requests for the same key.
 async fn lookup(
-    router: Arc<dyn Router>,
+    router: Arc<dyn ContentRouting>,
     metrics: Arc<Metrics>,
     key: String,
     bound: Arc<ResolveBound>,
@@ -598,7 +620,7 @@ fn forward_headers(response: &PeerResponse, body: Body) -> Result<Response, axum
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::routing::{PeerStream, RouterError};
+    use crate::routing::{PeerStream, RoutingError};
     use crate::store::memory::MemoryStore;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -611,7 +633,7 @@ mod tests {
     }
 
     #[async_trait::async_trait]
-    impl Router for SlowRouter {
+    impl ContentRouting for SlowRouter {
         fn ready(&self) -> bool {
             true
         }
@@ -641,10 +663,10 @@ mod tests {
             });
             rx
         }
-        async fn advertise(&self, _keys: Vec<String>) -> Result<(), RouterError> {
+        async fn advertise(&self, _keys: Vec<String>) -> Result<(), RoutingError> {
             Ok(())
         }
-        async fn withdraw(&self, _keys: Vec<String>) -> Result<(), RouterError> {
+        async fn withdraw(&self, _keys: Vec<String>) -> Result<(), RoutingError> {
             Ok(())
         }
     }

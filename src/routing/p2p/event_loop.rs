@@ -23,7 +23,7 @@ use super::key_check;
 use super::peer_addrs::PeerAddrs;
 use super::{Command, Status};
 use crate::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
-use crate::problems::Problems;
+use crate::ops::problems::Problems;
 use crate::routing::Peer;
 use crate::routing::bootstrap::Bootstrap;
 

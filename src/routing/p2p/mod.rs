@@ -1,4 +1,4 @@
-//! The libp2p [`Router`]: one task owns the `Swarm` (see `event_loop.rs`); [`P2pRouter`] is
+//! The libp2p [`ContentRouting`]: one task owns the `Swarm` (see `event_loop.rs`); [`P2pRouter`] is
 //! the cloneable handle the rest of Ferry holds, sending commands over a channel.
 
 mod anchor_handler;
@@ -40,9 +40,9 @@ pub use behaviour::{ProvideTiming, REPLICAS, agent_version, peer_addr_of};
 pub use dials::DEFAULT_BOOTSTRAP_DIALS;
 
 use super::bootstrap::{Bootstrap, tcp_multiaddr};
-use super::{Peer, PeerStream, Router, RouterError};
+use super::{ContentRouting, Peer, PeerStream, RoutingError};
 use crate::metrics::Metrics;
-use crate::problems::Problems;
+use crate::ops::problems::Problems;
 
 /// Commands queue up to this many; a full queue makes callers wait (backpressure), it never
 /// drops a command.
@@ -250,11 +250,11 @@ impl P2pRouter {
     }
 
     /// Dials these addresses (tests and late bootstrap).
-    pub async fn dial(&self, addrs: Vec<libp2p::Multiaddr>) -> Result<(), RouterError> {
+    pub async fn dial(&self, addrs: Vec<libp2p::Multiaddr>) -> Result<(), RoutingError> {
         self.commands
             .send(Command::Dial { addrs })
             .await
-            .map_err(|_| RouterError::Stopped)
+            .map_err(|_| RoutingError::Stopped)
     }
 }
 
@@ -339,7 +339,7 @@ impl P2pRouter {
 }
 
 #[async_trait::async_trait]
-impl Router for P2pRouter {
+impl ContentRouting for P2pRouter {
     fn ready(&self) -> bool {
         self.alone || self.connected_peers() > 0
     }
@@ -411,21 +411,21 @@ impl Router for P2pRouter {
             .flatten()
     }
 
-    async fn advertise(&self, keys: Vec<String>) -> Result<(), RouterError> {
+    async fn advertise(&self, keys: Vec<String>) -> Result<(), RoutingError> {
         let (reply, rx) = oneshot::channel();
         self.commands
             .send(Command::Advertise { keys, reply })
             .await
-            .map_err(|_| RouterError::Stopped)?;
+            .map_err(|_| RoutingError::Stopped)?;
         rx.await
-            .map_err(|_| RouterError::Stopped)?
-            .map_err(RouterError::Advertise)
+            .map_err(|_| RoutingError::Stopped)?
+            .map_err(RoutingError::Advertise)
     }
 
-    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RouterError> {
+    async fn withdraw(&self, keys: Vec<String>) -> Result<(), RoutingError> {
         self.commands
             .send(Command::Withdraw { keys })
             .await
-            .map_err(|_| RouterError::Stopped)
+            .map_err(|_| RoutingError::Stopped)
     }
 }

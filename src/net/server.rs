@@ -29,7 +29,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
-use crate::limits::LimitedListener;
+use crate::net::limits::LimitedListener;
 
 /// containerd and peers send a request's head at once, on a connection they opened to send
 /// it; 10 s is generous for a loaded node.

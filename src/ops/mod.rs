@@ -1,6 +1,11 @@
 //! The operations listener: `/metrics`, `/healthz`, `/readyz`, `/status` (what `ferry status`
 //! prints, as JSON) and, when turned on, `/debug` (the same as a page, and a test pull).
 
+pub mod debug_page;
+pub mod problems;
+pub mod status;
+pub mod watch;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -10,13 +15,12 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
-use crate::debug_page;
 use crate::metrics::Metrics;
-use crate::problems::Problems;
+use crate::ops::problems::Problems;
 use crate::registry::peer::PeerFetcher;
 use crate::registry::recent::RecentPulls;
-use crate::routing::Router as PeerRouter;
-use crate::status::{self, Condition, PeerView, Status};
+use crate::routing::ContentRouting;
+use status::{Condition, PeerView, Status};
 
 /// The conditions of readiness. Each is set by the one task that owns that condition.
 #[derive(Debug, Default)]
@@ -25,7 +29,7 @@ pub struct Readiness {
     pub listening: AtomicBool,
     pub containerd_up: AtomicBool,
     /// A bootstrap source names other nodes and none is connected yet (for at most
-    /// `app::FIRST_PEER_WAIT`): a node of a new pool is not ready until it can ask its peers,
+    /// `watch::FIRST_PEER_WAIT`): a node of a new pool is not ready until it can ask its peers,
     /// so the kubelet's first pulls (held back by the ready taint) do not all go upstream.
     pub waiting_for_peers: AtomicBool,
 }
@@ -68,7 +72,7 @@ pub struct Sources {
     pub problems: Arc<Problems>,
     pub recent: Arc<RecentPulls>,
     /// `None` when peer-to-peer is off.
-    pub peers: Option<Arc<dyn PeerRouter>>,
+    pub peers: Option<Arc<dyn ContentRouting>>,
     /// Fetching from peers (passed-over peers, the test pull); `None` when peer-to-peer is off.
     pub fetcher: Option<Arc<PeerFetcher>>,
     /// What this node advertises (digests and tags); `None` when peer-to-peer is off.
@@ -190,8 +194,8 @@ pub fn status(s: &Sources) -> Status {
 pub fn from_this_host(request: &axum::extract::Request) -> bool {
     request
         .extensions()
-        .get::<crate::server::ConnAddrs>()
-        .is_some_and(crate::server::ConnAddrs::same_host)
+        .get::<crate::net::server::ConnAddrs>()
+        .is_some_and(crate::net::server::ConnAddrs::same_host)
 }
 
 pub fn refused(what: &str) -> Response {

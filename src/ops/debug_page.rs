@@ -10,9 +10,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use crate::oci::Digest;
+use crate::ops::status::{Status, duration, human};
 use crate::ops::{self, Sources};
 use crate::registry::peer::diagnostic_pull::TestPull;
-use crate::status::{Status, duration, human};
 
 /// Only one test pull at a time: each may move a whole blob.
 static TEST_PULL: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
@@ -280,7 +280,7 @@ mod tests {
             node: Some("<script>".into()),
             ready: false,
             conditions: vec![],
-            problems: vec![crate::status::Problem {
+            problems: vec![crate::ops::status::Problem {
                 problem: "no_peers".into(),
                 detail: "<b>".into(),
             }],

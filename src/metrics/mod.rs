@@ -1,5 +1,7 @@
 //! Every metric family Ferry exports, in one place.
 
+pub mod process;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -212,7 +214,7 @@ impl Metrics {
     pub fn new() -> Self {
         let mut root = Registry::default();
         // The standard process_* names carry no prefix (dashboards expect them as they are).
-        root.register_collector(Box::new(crate::process::ProcessCollector));
+        root.register_collector(Box::new(crate::metrics::process::ProcessCollector));
         let registry = root.sub_registry_with_prefix("ferry");
         registry.register(
             "build",

@@ -1,0 +1,90 @@
+//! containerd's `hosts.toml` entries from the settings: written at start, merged again every
+//! minute (host directories created later get the mirror too), and what containerd's own
+//! config does to them shown as problems.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::containerd_config::hosts::Ipv6Hosts;
+use crate::containerd_config::{self, Action, Outcome, preflight};
+use crate::ops::problems::Problems;
+use crate::store::ContentStore;
+
+/// The hosts dir is re-merged this often, so host directories created after start get the
+/// mirror too. A merge that changes nothing writes nothing.
+const HOSTS_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
+
+/// What in containerd's own config makes Ferry useless on this node (`preflight`): each a
+/// problem (a warning logged once as it appears, a line in `/readyz`, a metric), never a
+/// reason to be unready; cleared once the config is fixed (looked at again every minute).
+pub fn check_containerd_config(config: &Config, problems: &Problems) {
+    let found = preflight::check(&config.containerd_config, &config.hosts_dir);
+    for name in preflight::PROBLEMS {
+        match found.iter().find(|w| w.problem == name) {
+            Some(w) => problems.set(name, w.text.clone()),
+            None => problems.clear(name),
+        }
+    }
+}
+
+pub async fn refresh_hosts(
+    config: Config,
+    store: Arc<dyn ContentStore>,
+    problems: Arc<Problems>,
+    token: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(HOSTS_REFRESH_INTERVAL) => {}
+        }
+        check_containerd_config(&config, &problems);
+        match configure_hosts(&config, store.as_ref()).await {
+            Ok(outcomes) => report(&outcomes),
+            Err(e) => tracing::warn!(error = %e, "re-merging the containerd hosts config failed"),
+        }
+    }
+}
+
+/// Writes Ferry's entry into every hosts.toml the registries need (`containerd_config`), in
+/// the form the containerd behind `store` reads.
+pub async fn configure_hosts(
+    config: &Config,
+    store: &dyn ContentStore,
+) -> Result<Vec<Outcome>, containerd_config::dir::DirError> {
+    let mirror_url = config.mirror_url();
+    let ipv6 = ipv6_hosts(store, &mirror_url).await;
+    containerd_config::configure(&config.hosts_dir, &config.registries, &mirror_url, ipv6)
+}
+
+/// How to write Ferry's hosts.toml entry when its URL holds an IPv6 address (see
+/// `hosts::Ipv6Hosts`): containerd is asked its version only then; while it does not answer,
+/// the form that works on every version.
+async fn ipv6_hosts(store: &dyn ContentStore, mirror_url: &str) -> Ipv6Hosts {
+    if !mirror_url.contains('[') {
+        return Ipv6Hosts::default();
+    }
+    store
+        .containerd_major()
+        .await
+        .map_or(Ipv6Hosts::default(), Ipv6Hosts::for_containerd)
+}
+
+/// Logs what a configure or cleanup did: changes at info, skipped files as warnings.
+pub fn report(outcomes: &[Outcome]) {
+    for o in outcomes {
+        let path = o.path.display();
+        match &o.action {
+            Action::Unchanged => tracing::debug!(%path, "hosts.toml already up to date"),
+            Action::Skipped(reason) => tracing::warn!(%path, "hosts.toml skipped: {reason}"),
+            Action::Failed(reason) => tracing::error!(
+                %path,
+                "hosts.toml could not be written, left as it was (the other registries are configured): {reason}"
+            ),
+            action => tracing::info!(%path, ?action, "hosts.toml"),
+        }
+    }
+}

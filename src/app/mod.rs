@@ -1,0 +1,209 @@
+//! Wiring. Start-up runs in fixed steps, in the order that makes Ferry useful soonest: bind the
+//! mirror address; write the hosts.toml entries (containerd now pulls through Ferry; a miss is
+//! a fast 404); bind the ops address; start peering; serve; on shutdown, drain within a grace
+//! period. Each background loop lives in the room that owns its state; this module only
+//! builds values from the settings and hands them over.
+
+mod hosts;
+mod node;
+mod setup;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use hosts::{configure_hosts, report};
+pub use setup::{Listeners, PeerSetup, Peering};
+
+use crate::config::Config;
+use crate::containerd_config;
+use crate::metrics::Metrics;
+use crate::net::listen;
+use crate::ops::problems::Problems;
+use crate::ops::{self, Readiness};
+use crate::registry::integrity::Integrity;
+use crate::registry::recent::RecentPulls;
+use crate::registry::{self, MirrorState, PeerApiState, ResolveTags, UpstreamWatch};
+use crate::routing::sync;
+use crate::store::ContentStore;
+use crate::store::containerd::ContainerdStore;
+use node::Node;
+
+/// How long in-flight requests may run on after SIGTERM before they are cut off.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("cannot listen on {addr}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write the containerd hosts config")]
+    Hosts(#[from] containerd_config::dir::DirError),
+}
+
+/// Runs the daemon until `shutdown` resolves.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), AppError> {
+    let started = Instant::now();
+    let mirror = bind(config.mirror_addr)?;
+    if !config.mirror_addr.ip().is_loopback() {
+        tracing::warn!(
+            mirror = %config.mirror_addr,
+            "the mirror address is not loopback (mirror-allow-remote): anyone who reaches it can read this node's images"
+        );
+    }
+    let store: Arc<dyn ContentStore> = Arc::new(ContainerdStore::new(
+        config.containerd_socket.clone(),
+        config.containerd_namespace.clone(),
+        config.containerd_content_dir.clone(),
+    ));
+    report(&configure_hosts(&config, store.as_ref()).await?);
+    tracing::info!(
+        mirror = %config.mirror_url(),
+        hosts_dir = %config.hosts_dir.display(),
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "mirror listening and containerd hosts config written"
+    );
+    let ops = bind(config.metrics_addr)?;
+    let (peering, peer) = bind_peers(&config);
+    let listeners = Listeners { mirror, peer, ops };
+    serve(config, store, listeners, peering, shutdown).await;
+    Ok(())
+}
+
+fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {
+    listen::bind(addr).map_err(|source| AppError::Bind { addr, source })
+}
+
+/// Peer-to-peer is an addition to the mirror: if its listener cannot be bound, this node
+/// serves its own content alone rather than not at all.
+fn bind_peers(config: &Config) -> (Peering, Option<TcpListener>) {
+    let Some(setup) = config
+        .p2p
+        .as_ref()
+        .and_then(|s| PeerSetup::from_settings(config, s))
+    else {
+        return (Peering::Off, None);
+    };
+    let addr = setup.p2p.peer_http_addr;
+    match bind(addr) {
+        Ok(listener) => {
+            if config.cluster_secret.is_some() {
+                tracing::info!(peer_addr = %addr, "private peer network: peers need the cluster secret");
+            } else {
+                tracing::warn!(
+                    peer_addr = %addr,
+                    "NO CLUSTER SECRET: the peer address serves this node's shared images to anyone who can reach it, and anyone can join the peer network; set --cluster-secret-file"
+                );
+            }
+            (Peering::P2p(Box::new(setup)), Some(listener))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "peer-to-peer is off: serving this node's content only");
+            (Peering::Off, None)
+        }
+    }
+}
+
+/// Serves on already-bound listeners until `shutdown`, then drains. The hosts.toml entries
+/// are already written; they stay after shutdown (a stopped Ferry on loopback is an instant
+/// connection refused, and containerd falls back at once).
+pub async fn serve(
+    config: Config,
+    store: Arc<dyn ContentStore>,
+    listeners: Listeners,
+    peering: Peering,
+    shutdown: impl Future<Output = ()>,
+) {
+    let metrics = Arc::new(Metrics::new());
+    let node = Node {
+        store,
+        problems: Arc::new(Problems::new(metrics.clone())),
+        metrics,
+        readiness: Arc::new(Readiness::default()),
+        token: CancellationToken::new(),
+        tracker: TaskTracker::new(),
+    };
+    hosts::check_containerd_config(&config, &node.problems);
+    node.readiness.listening.store(true, Ordering::Relaxed);
+    node.readiness.hosts_written.store(true, Ordering::Relaxed);
+    node.metrics.hosts_config_written.set(1);
+
+    let kube = node.kubernetes(&config).await;
+    let reporting = (&node.metrics, &node.problems);
+    let peers = peering.start(
+        &config,
+        kube.as_ref(),
+        reporting,
+        &node.token,
+        &node.tracker,
+    );
+    let fetcher = node.fetcher(&config, peers.as_ref());
+    let recent = Arc::new(RecentPulls::default());
+    let (exposed_tx, exposed) = sync::exposure();
+    let coalesce = node.coalescer(peers.as_ref(), fetcher.as_ref());
+    let tags = peers.as_ref().map_or(ResolveTags::Never, |p| p.tags);
+    let upstream = (fetcher.is_some() && tags == ResolveTags::WhenUpstreamFails)
+        .then(|| {
+            let (hosts_dir, url) = (config.hosts_dir.clone(), config.mirror_url());
+            let (metrics, token) = (node.metrics.clone(), node.token.clone());
+            UpstreamWatch::watch(&config.registries, hosts_dir, url, metrics, token)
+        })
+        .flatten();
+    let mirror = MirrorState {
+        store: node.store.clone(),
+        registries: config.registries.clone(),
+        metrics: node.metrics.clone(),
+        peers: fetcher.clone(),
+        tags,
+        upstream,
+        filters: config.registry_filters.clone(),
+        coalesce: coalesce.clone(),
+        recent: recent.clone(),
+    };
+    node.spawn_server("mirror", listeners.mirror, registry::mirror::router(mirror));
+    if let Some(listener) = listeners.peer {
+        let peer_api = PeerApiState {
+            store: node.store.clone(),
+            registries: config.registries.clone(),
+            metrics: node.metrics.clone(),
+            secret: config.cluster_secret.clone(),
+            exposed: exposed.clone(),
+            coalesce,
+            integrity: peers.as_ref().map(|p| {
+                let (store, metrics) = (node.store.clone(), node.metrics.clone());
+                Arc::new(Integrity::new(store, p.router.clone(), metrics))
+            }),
+            zero_copy: peers.as_ref().is_some_and(|p| p.fetch.zero_copy),
+        };
+        node.spawn_server("peer", listener, registry::peer_api::router(peer_api));
+    }
+    let sources = ops::Sources {
+        readiness: node.readiness.clone(),
+        metrics: node.metrics.clone(),
+        problems: node.problems.clone(),
+        recent,
+        peers: peers.as_ref().map(|p| p.router.clone()),
+        fetcher,
+        exposed: peers.as_ref().map(|_| exposed),
+        debug_page: config.debug_page,
+        node: config.kubernetes.node_name.clone(),
+    };
+    node.spawn_server("ops", listeners.ops, ops::router(sources));
+    node.spawn_loops(&config, peers, exposed_tx);
+    node.tracker.spawn(hosts::refresh_hosts(
+        config,
+        node.store.clone(),
+        node.problems.clone(),
+        node.token.clone(),
+    ));
+    node.drain(shutdown).await;
+}

@@ -1,0 +1,263 @@
+//! From settings to the values peer-to-peer runs with: the advertised address, the libp2p
+//! node's configuration, the bootstrap sources, and starting the router.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
+use crate::kubernetes::{self, bootstrap::KubernetesBootstrap};
+use crate::metrics::Metrics;
+use crate::ops::problems::Problems;
+use crate::registry::ResolveTags;
+use crate::registry::peer::PeerFetchConfig;
+use crate::routing::ContentRouting;
+use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
+use crate::routing::p2p::{IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
+use crate::routing::sync::SyncConfig;
+
+/// The bound sockets, so that tests can bind port 0 and start-up order stays explicit.
+#[derive(Debug)]
+pub struct Listeners {
+    /// containerd pulls through this (loopback).
+    pub mirror: TcpListener,
+    /// Other nodes fetch this node's content here; `None` without peer-to-peer.
+    pub peer: Option<TcpListener>,
+    /// `/metrics`, `/healthz`, `/readyz`.
+    pub ops: TcpListener,
+}
+
+/// How this node finds content on other nodes.
+pub enum Peering {
+    /// This node's content only.
+    Off,
+    /// The libp2p DHT.
+    P2p(Box<PeerSetup>),
+    /// Any other content routing (tests: the in-memory one).
+    Given {
+        router: Arc<dyn ContentRouting>,
+        fetch: PeerFetchConfig,
+        tags: ResolveTags,
+        /// `Some(follow timeout)`: coordinate simultaneous misses.
+        coalesce: Option<Duration>,
+        sync: SyncConfig,
+    },
+}
+
+impl std::fmt::Debug for Peering {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peering::Off => f.write_str("Off"),
+            Peering::P2p(setup) => f.debug_tuple("P2p").field(setup).finish(),
+            Peering::Given { fetch, .. } => f
+                .debug_struct("Given")
+                .field("fetch", fetch)
+                .finish_non_exhaustive(),
+        }
+    }
+}
+
+/// Everything peer-to-peer needs, resolved from the settings.
+pub struct PeerSetup {
+    pub p2p: P2pConfig,
+    /// Static and DNS sources; the Kubernetes source is added in `serve`, where its watch
+    /// can be tied to the shutdown token.
+    pub bootstrap: Bootstraps,
+    pub bootstrap_configured: bool,
+    pub fetch: PeerFetchConfig,
+    pub tags: ResolveTags,
+    pub coalesce: Option<Duration>,
+    pub sync: SyncConfig,
+}
+
+impl std::fmt::Debug for PeerSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSetup")
+            .field("p2p", &self.p2p)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerSetup {
+    /// `None` (with a warning) when this host has no address other nodes could reach.
+    pub fn from_settings(config: &Config, settings: &P2pSettings) -> Option<PeerSetup> {
+        let data_dir = &config.data_dir;
+        let picked = || {
+            let chosen = crate::net::host_addr::reachable_ip()?;
+            tracing::info!(ip = %chosen.ip, interface = %chosen.interface, why = chosen.why, "advertise address picked; set --advertise-addr to choose another");
+            Some(chosen.ip)
+        };
+        let Some(advertise) = settings.advertise_addr.or_else(picked) else {
+            tracing::warn!(
+                "no address other nodes could reach (only loopback or link-local): peer-to-peer is off; set --advertise-addr"
+            );
+            return None;
+        };
+        if advertise.is_loopback() {
+            tracing::warn!(%advertise, "advertising a loopback address: only peers on this host can reach it");
+        }
+        let peer_http_addr = settings
+            .peer_addr
+            .unwrap_or(SocketAddr::new(advertise, DEFAULT_PEER_PORT));
+        let mut sources: Vec<Box<dyn Bootstrap>> = vec![Box::new(StaticBootstrap {
+            addrs: settings.bootstrap_peers.clone(),
+        })];
+        if let Some(name) = &settings.bootstrap_dns {
+            sources.push(Box::new(DnsBootstrap {
+                name: name.clone(),
+                port: settings.p2p_addr.port(),
+            }));
+        }
+        Some(PeerSetup {
+            p2p: P2pConfig {
+                data_dir: data_dir.to_path_buf(),
+                // A wildcard listen would make Kademlia announce every local address,
+                // loopback included: listen on the advertised address instead.
+                listen: if settings.p2p_addr.ip().is_unspecified() {
+                    SocketAddr::new(advertise, settings.p2p_addr.port())
+                } else {
+                    settings.p2p_addr
+                },
+                advertise: Some(advertise),
+                peer_http_addr,
+                timing: ProvideTiming {
+                    ttl: settings.provide_ttl,
+                    interval: settings.reprovide_interval,
+                    replicas: REPLICAS,
+                },
+                psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
+                simulated_latency: None,
+                bootstrap_dials: settings.bootstrap_dials,
+                idle_timeout: IDLE_CONNECTION_TIMEOUT,
+            },
+            bootstrap: Bootstraps(sources),
+            bootstrap_configured: !settings.bootstrap_peers.is_empty()
+                || settings.bootstrap_dns.is_some()
+                || config.kubernetes.bootstrap_selector.is_some(),
+            fetch: PeerFetchConfig {
+                resolve_timeout: settings.resolve_timeout,
+                resolve_timeout_max: settings.resolve_timeout_max,
+                connect_timeout: settings.peer_connect_timeout,
+                first_byte_timeout: settings.peer_first_byte_timeout,
+                idle_timeout: settings.peer_idle_timeout,
+                verify_before_serving: settings.verify_before_serving,
+                zero_copy: settings.zero_copy,
+            },
+            tags: settings.resolve_tags,
+            coalesce: settings.coalesce,
+            sync: SyncConfig {
+                registries: config.registries.clone(),
+                filters: config.registry_filters.clone(),
+                interval: settings.reprovide_interval,
+            },
+        })
+    }
+}
+
+/// Ferry's pods as a bootstrap source, when `--bootstrap-kubernetes` is set and there is an
+/// API client (listed only while no peer is connected; see `kubernetes::bootstrap`).
+fn kubernetes_bootstrap(
+    config: &Config,
+    client: Option<&kube::Client>,
+    setup: &PeerSetup,
+) -> Option<KubernetesBootstrap> {
+    let selector = config.kubernetes.bootstrap_selector.as_deref()?;
+    let client = client?;
+    let namespace = kubernetes::namespace(config.kubernetes.namespace.as_deref(), client);
+    tracing::info!(%namespace, %selector, "bootstrapping peers from the Kubernetes API");
+    Some(KubernetesBootstrap::new(
+        client.clone(),
+        &namespace,
+        selector,
+        setup.p2p.listen.port(),
+    ))
+}
+
+/// Starts the libp2p node. A failure (unreadable key, port in use) leaves Ferry serving this
+/// node's content alone: the mirror matters more than the peers.
+fn start_router(
+    peers: &mut PeerSetup,
+    kubernetes: Option<KubernetesBootstrap>,
+    (metrics, problems): (&Arc<Metrics>, &Arc<Problems>),
+    token: &CancellationToken,
+    tracker: &TaskTracker,
+) -> Option<Arc<dyn ContentRouting>> {
+    let mut sources = std::mem::take(&mut peers.bootstrap);
+    if let Some(k) = kubernetes {
+        sources.0.push(Box::new(k));
+    }
+    let bootstrap: Arc<dyn Bootstrap> = Arc::new(sources);
+    match P2pRouter::start(
+        peers.p2p.clone(),
+        bootstrap,
+        peers.bootstrap_configured,
+        metrics.clone(),
+        problems.clone(),
+        token.clone(),
+    ) {
+        Ok((router, task)) => {
+            tracker.spawn(async move {
+                let _ = task.await;
+            });
+            Some(Arc::new(router))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "peer-to-peer is off: serving this node's content only");
+            None
+        }
+    }
+}
+
+/// Peer-to-peer as this node runs it, once started.
+pub(super) struct Peers {
+    pub router: Arc<dyn ContentRouting>,
+    pub fetch: PeerFetchConfig,
+    pub tags: ResolveTags,
+    /// `Some(follow timeout)`: coordinate simultaneous misses.
+    pub coalesce: Option<Duration>,
+    pub sync: SyncConfig,
+}
+
+impl Peering {
+    /// Starts what this node peers with; `None`: this node's content only.
+    pub(super) fn start(
+        self,
+        config: &Config,
+        kube: Option<&kube::Client>,
+        reporting: (&Arc<Metrics>, &Arc<Problems>),
+        token: &CancellationToken,
+        tracker: &TaskTracker,
+    ) -> Option<Peers> {
+        match self {
+            Peering::Off => None,
+            Peering::P2p(mut setup) => {
+                let kubernetes = kubernetes_bootstrap(config, kube, &setup);
+                let router = start_router(&mut setup, kubernetes, reporting, token, tracker)?;
+                Some(Peers {
+                    router,
+                    fetch: setup.fetch,
+                    tags: setup.tags,
+                    coalesce: setup.coalesce,
+                    sync: setup.sync,
+                })
+            }
+            Peering::Given {
+                router,
+                fetch,
+                tags,
+                coalesce,
+                sync,
+            } => Some(Peers {
+                router,
+                fetch,
+                tags,
+                coalesce,
+                sync,
+            }),
+        }
+    }
+}
