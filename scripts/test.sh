@@ -19,11 +19,11 @@ ensure_rust
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --all-targets --features system-tests --locked -- -D warnings
 echo "==> rooms: every room imports only what ARCHITECTURE.md allows"
 python3 scripts/check-rooms.py
 echo "==> cargo test"
-FERRY_FUZZ_SECONDS="${FERRY_FUZZ_SECONDS:-60}" cargo test --locked --all-targets --no-fail-fast
+FERRY_FUZZ_SECONDS="${FERRY_FUZZ_SECONDS:-60}" cargo test --locked --all-targets --features system-tests --no-fail-fast
 cargo test --locked --doc
 # The cluster tests again against containerd 1.7 and 2.x (Debian's trixie and sid packages,
 # fetched and verified into target/tools by scripts/containerd-versions.sh; the machine's own
@@ -33,7 +33,7 @@ ensure_packages gpgv:gpgv xz:xz-utils /usr/share/keyrings/debian-archive-keyring
 versions=$(scripts/containerd-versions.sh)   # fails the run if they cannot be fetched
 while read -r version bin; do
     echo "==> cluster tests with containerd $version"
-    PATH="$bin:$PATH" cargo test --locked --no-fail-fast \
+    PATH="$bin:$PATH" cargo test --locked --features system-tests --no-fail-fast \
         --test cluster_e2e --test cluster_tags --test cluster_faults --test cluster_storm \
         --test containerd_e2e
 done <<< "$versions"

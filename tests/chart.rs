@@ -500,7 +500,7 @@ fn the_dashboard_queries_only_metrics_ferry_exports() {
     // Families with no series yet (no failure so far) are not in the exposition: the
     // registered names come from the one place every family is registered.
     let source =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/metrics.rs"))
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/metrics/mod.rs"))
             .unwrap();
     let registered: Vec<String> = regex::Regex::new(r#"register\(\s*"([a-z_]+)""#)
         .unwrap()

@@ -356,6 +356,10 @@ fn documented_config_file_parses_and_lists_every_key() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "system-tests"),
+    ignore = "needs root or systemd: ./scripts/test.sh runs it"
+)]
 fn the_systemd_unit_verifies() {
     support::require("systemd-analyze");
     let tmp = tempfile::tempdir().unwrap();
@@ -454,6 +458,10 @@ fn one_unwritable_registry_directory_never_stops_the_others() {
 /// outside the sandbox, and each command gets its namespace when it starts. So every
 /// `ReadWritePaths=` entry is either a `StateDirectory=` or created by a `+` `ExecStartPre=`.
 #[test]
+#[cfg_attr(
+    not(feature = "system-tests"),
+    ignore = "needs root or systemd: ./scripts/test.sh runs it"
+)]
 fn the_systemd_unit_starts_on_a_host_without_the_hosts_dir() {
     let unit =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/ferry.service"))
@@ -513,6 +521,10 @@ fn a_flag_given_twice_takes_its_last_value() {
 /// later one (`uplink0`) has it, the peer address is `uplink0`'s. (The first address listed
 /// is often docker0's or a CNI bridge's, which no other node can reach.) Needs root.
 #[test]
+#[cfg_attr(
+    not(feature = "system-tests"),
+    ignore = "needs root or systemd: ./scripts/test.sh runs it"
+)]
 fn without_an_advertise_address_the_default_routes_interface_is_advertised() {
     let mut net = support::netns::Net::new();
     let ns = net.add_host("adv", 5);

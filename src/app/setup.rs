@@ -130,6 +130,7 @@ impl PeerSetup {
                     replicas: REPLICAS,
                 },
                 psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
+                #[cfg(feature = "test-support")]
                 simulated_latency: None,
                 bootstrap_dials: settings.bootstrap_dials,
                 idle_timeout: IDLE_CONNECTION_TIMEOUT,

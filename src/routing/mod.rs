@@ -5,6 +5,7 @@
 //! `<registry>/<repo>:<tag>` for tag resolution. The registry never sees libp2p types.
 
 pub mod bootstrap;
+#[cfg(any(test, feature = "test-support"))]
 pub mod memory;
 pub mod p2p;
 pub mod sync;

@@ -4,9 +4,11 @@
 //! Invariant: only `store/containerd/` knows containerd's on-disk layout (committed files and
 //! downloads in progress); every other room reads content through [`ContentStore`].
 
+#[cfg(any(test, feature = "test-support"))]
 pub mod conformance;
 pub mod containerd;
 pub mod downloads;
+#[cfg(any(test, feature = "test-support"))]
 pub mod memory;
 
 use std::pin::Pin;

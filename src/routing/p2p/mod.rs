@@ -7,6 +7,7 @@ mod announce_plan;
 mod announcer;
 mod behaviour;
 mod closest;
+#[cfg(feature = "test-support")]
 mod delay;
 mod dials;
 mod event_loop;
@@ -81,7 +82,8 @@ pub struct P2pConfig {
     /// The private-network key (from the cluster secret): nodes without it cannot connect.
     pub psk: Option<[u8; 32]>,
     /// A one-way delay added to every received byte, for the scale simulation only (see
-    /// `delay.rs`; without a private-network key). `None` in Ferry itself.
+    /// `delay.rs`; without a private-network key).
+    #[cfg(feature = "test-support")]
     pub simulated_latency: Option<Duration>,
     /// Bootstrap addresses dialled at once (`--bootstrap-dials`); Kademlia finds the rest.
     pub bootstrap_dials: usize,
@@ -174,29 +176,16 @@ impl P2pRouter {
         let idle = config.idle_timeout;
         let behaviour = move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing);
         let transport_err = |e: &dyn std::fmt::Display| P2pError::Transport(e.to_string());
-        let psk = config.psk;
-        let mut swarm = match (psk, config.simulated_latency) {
-            (None, Some(latency)) => SwarmBuilder::with_existing_identity(key)
-                .with_tokio()
-                .with_other_transport(|key| delayed_transport(key, latency))
-                .map_err(|e| transport_err(&e))?
-                .with_dns()
-                .map_err(|e| transport_err(&e))?
-                .with_behaviour(behaviour)
-                .map_err(|e| transport_err(&e))?
-                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
-                .build(),
-            _ => SwarmBuilder::with_existing_identity(key)
-                .with_tokio()
-                .with_other_transport(|key| peer_transport(key, psk))
-                .map_err(|e| transport_err(&e))?
-                .with_dns()
-                .map_err(|e| transport_err(&e))?
-                .with_behaviour(behaviour)
-                .map_err(|e| transport_err(&e))?
-                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
-                .build(),
-        };
+        let mut swarm = SwarmBuilder::with_existing_identity(key)
+            .with_tokio()
+            .with_other_transport(|key| transport(key, &config))
+            .map_err(|e| transport_err(&e))?
+            .with_dns()
+            .map_err(|e| transport_err(&e))?
+            .with_behaviour(behaviour)
+            .map_err(|e| transport_err(&e))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+            .build();
         let listen = tcp_multiaddr(config.listen.ip(), config.listen.port());
         swarm.listen_on(listen).map_err(|e| P2pError::Listen {
             addr: config.listen,
@@ -305,7 +294,23 @@ fn peer_transport(
     )
 }
 
+type PeerTransport = Boxed<(PeerId, StreamMuxerBox)>;
+
+/// The transport `config` asks for: the peer transport, or in the scale simulation the
+/// delayed one.
+fn transport(
+    key: &Keypair,
+    config: &P2pConfig,
+) -> Result<PeerTransport, Box<dyn std::error::Error + Send + Sync>> {
+    #[cfg(feature = "test-support")]
+    if let (None, Some(latency)) = (config.psk, config.simulated_latency) {
+        return delayed_transport(key, latency);
+    }
+    peer_transport(key, config.psk)
+}
+
 /// TCP whose received bytes are held for `latency` (the scale simulation), then noise and yamux.
+#[cfg(feature = "test-support")]
 fn delayed_transport(
     key: &Keypair,
     latency: Duration,
