@@ -5,7 +5,9 @@
 
 use std::io;
 
+use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::Response;
 use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -13,6 +15,7 @@ use tokio::io::AsyncReadExt;
 use tokio_util::io::ReaderStream;
 
 use super::failure::PeerFailure;
+use crate::oci;
 
 /// Read size on an upgraded connection: large reads keep the per-chunk work (hashing call,
 /// a frame to containerd) small next to the bytes.
@@ -101,4 +104,35 @@ impl PeerResponse {
     pub fn bytes_stream(self) -> BoxStream<'static, io::Result<Bytes>> {
         self.body
     }
+}
+
+/// A peer's answer, or none when it could not be built (a header value that is not valid
+/// HTTP): the pull goes on as if the peer had not answered, never with an empty success.
+pub(super) fn built(answer: Result<Response, axum::http::Error>) -> Option<Response> {
+    answer
+        .inspect_err(|e| tracing::warn!(error = %e, "a peer's answer could not be passed on"))
+        .ok()
+}
+
+/// The peer's status and the headers that describe the content, with our body.
+pub(super) fn forward_headers(
+    response: &PeerResponse,
+    body: Body,
+) -> Result<Response, axum::http::Error> {
+    let mut out = Response::builder().status(response.status());
+    for name in [
+        header::CONTENT_TYPE,
+        header::CONTENT_LENGTH,
+        header::CONTENT_RANGE,
+        header::ACCEPT_RANGES,
+        header::ETAG,
+    ] {
+        if let Some(v) = response.headers().get(&name) {
+            out = out.header(name, v.clone());
+        }
+    }
+    if let Some(v) = response.headers().get(oci::DOCKER_CONTENT_DIGEST) {
+        out = out.header(oci::DOCKER_CONTENT_DIGEST, v.clone());
+    }
+    out.body(body)
 }
