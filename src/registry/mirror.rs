@@ -162,7 +162,7 @@ async fn resolve_tag(
         .manifest(request, Reference::Tag(tag.to_string()))
         .await
     {
-        Some(response) => {
+        Ok(response) => {
             count("peers", Source::Peer, Some(&response));
             let response = request::sourced(response, Source::Peer);
             tracing::info!(
@@ -175,7 +175,8 @@ async fn resolve_tag(
             );
             Ok(response)
         }
-        None => {
+        Err(miss) => {
+            tracing::debug!(registry = ns, name, tag, %miss, "no peer resolved the tag");
             count("none", Source::Miss, None);
             Err(ApiError::ManifestUnknown)
         }
@@ -224,22 +225,26 @@ async fn follow(
                 .manifest_following(request, digest.clone(), &leader, wait)
                 .await
         };
-        if let Some(response) = got {
-            coalesce.count("follower", "served");
-            let what = format!("{ns}/{name}@{digest}");
-            tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
-            return Ok(served_by(
-                state,
-                req,
-                what,
-                kind,
-                Source::InFlight,
-                response,
-            ));
+        match got {
+            Ok(response) => {
+                coalesce.count("follower", "served");
+                let what = format!("{ns}/{name}@{digest}");
+                tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
+                return Ok(served_by(
+                    state,
+                    req,
+                    what,
+                    kind,
+                    Source::InFlight,
+                    response,
+                ));
+            }
+            Err(why) => {
+                coalesce.count("follower", "failed");
+                tracing::info!(%digest, leader = %leader.id, %why, "the leader gave nothing in time; reporting it");
+                failed = Some(leader);
+            }
         }
-        coalesce.count("follower", "failed");
-        tracing::info!(%digest, leader = %leader.id, "the leader gave nothing in time; reporting it");
-        failed = Some(leader);
     }
     miss()
 }
@@ -315,9 +320,12 @@ async fn by_digest(
                 peers.manifest(request, reference).await
             }
         };
-        if let Some(response) = got {
-            let response = served_by(state, req, what(), kind, Source::Peer, response);
-            return Ok(keep(response, transfer));
+        match got {
+            Ok(response) => {
+                let response = served_by(state, req, what(), kind, Source::Peer, response);
+                return Ok(keep(response, transfer));
+            }
+            Err(why) => tracing::debug!(%digest, %why, "no peer served it"),
         }
     }
     match follow(mirror, req, name, digest, kind).await {

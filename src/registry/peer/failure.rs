@@ -26,6 +26,32 @@ pub enum PeerFailure {
     Verify(String),
 }
 
+/// Why no peer served a request, for the mirror's log: the 404 containerd gets is the same.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerMiss {
+    #[error("no node advertises it")]
+    NoProvider,
+    #[error("a tag cannot be looked up without its registry (?ns=)")]
+    NoRegistry,
+    #[error("{asked} node(s) asked, none has it any more")]
+    Gone { asked: usize },
+    #[error("{asked} node(s) asked, the last failed: {last}")]
+    Failed { asked: usize, last: PeerFailure },
+    #[error("the answer could not be built")]
+    Unbuildable,
+}
+
+impl PeerMiss {
+    /// The miss after asking `asked` providers, `last` the last failure among them.
+    pub fn after(asked: usize, last: Option<PeerFailure>) -> PeerMiss {
+        match (asked, last) {
+            (0, _) => PeerMiss::NoProvider,
+            (asked, Some(last)) => PeerMiss::Failed { asked, last },
+            (asked, None) => PeerMiss::Gone { asked },
+        }
+    }
+}
+
 impl PeerFailure {
     /// The `stage` label of `ferry_peer_failures_total`.
     pub fn stage(&self) -> &'static str {

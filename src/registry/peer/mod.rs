@@ -37,7 +37,7 @@ use crate::trust::ClusterSecret;
 use body::{Fetch, Resume, ResumingBody};
 pub use bound::ResolveBound;
 pub use client::{ClaimAnswer, PeerCall, PeerClient};
-pub use failure::PeerFailure;
+pub use failure::{PeerFailure, PeerMiss};
 use health::PeerHealth;
 use response::PeerResponse;
 use response::{built, forward_headers};
@@ -170,7 +170,7 @@ impl PeerFetcher {
     /// A blob (or one range of it) from the first provider that answers. Blobs up to
     /// `verify_before_serving` are fetched whole and checked before the first byte is sent;
     /// larger ones stream through, hashed on the way.
-    pub async fn blob(&self, req: PeerRequest<'_>, digest: Digest) -> Option<Response> {
+    pub async fn blob(&self, req: PeerRequest<'_>, digest: Digest) -> Result<Response, PeerMiss> {
         let providers = self.providers(&digest_key(&digest)).await;
         self.blob_from(req, digest, providers, None).await
     }
@@ -183,7 +183,7 @@ impl PeerFetcher {
         digest: Digest,
         leader: &Peer,
         wait: Duration,
-    ) -> Option<Response> {
+    ) -> Result<Response, PeerMiss> {
         self.blob_from(req, digest, vec![leader.clone()], Some(wait))
             .await
     }
@@ -194,15 +194,21 @@ impl PeerFetcher {
         digest: Digest,
         providers: Vec<Peer>,
         follow: Option<Duration>,
-    ) -> Option<Response> {
+    ) -> Result<Response, PeerMiss> {
         let path = format!("/v2/{}/blobs/{digest}", req.name);
         let method = if req.head { Method::HEAD } else { Method::GET };
+        let (mut asked, mut last) = (0, None);
+        let mut failed = |peer: &Peer, failure: PeerFailure| {
+            self.health.failed(peer, &failure);
+            last = Some(failure);
+        };
         let mut candidates = providers.into_iter();
         while let Some(peer) = candidates.next() {
             // The list may predate a verification failure seen by another request.
             if self.health.quarantined(&peer) {
                 continue;
             }
+            asked += 1;
             let call = PeerCall {
                 method: &method,
                 path: &path,
@@ -213,7 +219,7 @@ impl PeerFetcher {
             let response = match self.client.send(&peer, call, &self.metrics).await {
                 Ok(r) => r,
                 Err(failure) => {
-                    self.health.failed(&peer, &failure);
+                    failed(&peer, failure);
                     continue;
                 }
             };
@@ -224,7 +230,7 @@ impl PeerFetcher {
             }
             if status != StatusCode::OK && status != StatusCode::PARTIAL_CONTENT {
                 if status != StatusCode::NOT_FOUND {
-                    self.health.failed(&peer, &PeerFailure::Status(status));
+                    failed(&peer, PeerFailure::Status(status));
                 }
                 continue;
             }
@@ -232,7 +238,7 @@ impl PeerFetcher {
                 return built(forward_headers(&response, Body::empty()));
             }
             let Some(fetch) = Fetch::from_response(&response, digest.clone()) else {
-                self.health.failed(&peer, &PeerFailure::Extent);
+                failed(&peer, PeerFailure::Extent);
                 continue;
             };
             if fetch.total <= self.config.verify_before_serving {
@@ -246,7 +252,7 @@ impl PeerFetcher {
                         return built(fetch.response(Body::from(part)));
                     }
                     Err(failure) => {
-                        self.health.failed(&peer, &failure);
+                        failed(&peer, failure);
                         continue;
                     }
                 }
@@ -264,7 +270,7 @@ impl PeerFetcher {
             let body = ResumingBody::new(fetch.clone(), peer.clone(), first, remaining, resume);
             return built(fetch.response(Body::from_stream(body.into_stream())));
         }
-        None
+        Err(PeerMiss::after(asked, last))
     }
 
     /// The whole blob from `peer`, checked against its digest. `response` is used when it
@@ -308,11 +314,15 @@ impl PeerFetcher {
 
     /// A manifest from the first provider whose bytes match the digest (asked for, or the
     /// one the peer names for a tag). Manifests are small: verified whole before serving.
-    pub async fn manifest(&self, req: PeerRequest<'_>, reference: Reference) -> Option<Response> {
+    pub async fn manifest(
+        &self,
+        req: PeerRequest<'_>,
+        reference: Reference,
+    ) -> Result<Response, PeerMiss> {
         let key = match &reference {
             Reference::Digest(d) => digest_key(d),
             // Whether a tag may be resolved here at all is the mirror's decision (tags.rs).
-            Reference::Tag(tag) => tag_key(req.ns?, req.name, tag),
+            Reference::Tag(tag) => tag_key(req.ns.ok_or(PeerMiss::NoRegistry)?, req.name, tag),
         };
         let providers = self.providers(&key).await;
         self.manifest_from(req, reference, providers, None).await
@@ -325,7 +335,7 @@ impl PeerFetcher {
         digest: Digest,
         leader: &Peer,
         wait: Duration,
-    ) -> Option<Response> {
+    ) -> Result<Response, PeerMiss> {
         let reference = Reference::Digest(digest);
         self.manifest_from(req, reference, vec![leader.clone()], Some(wait))
             .await
@@ -337,9 +347,11 @@ impl PeerFetcher {
         reference: Reference,
         providers: Vec<Peer>,
         follow: Option<Duration>,
-    ) -> Option<Response> {
+    ) -> Result<Response, PeerMiss> {
         let path = format!("/v2/{}/manifests/{reference}", req.name);
+        let (mut asked, mut last) = (0, None);
         for peer in providers {
+            asked += 1;
             match self
                 .fetch_manifest(&peer, &path, req.ns, &reference, follow)
                 .await
@@ -357,12 +369,15 @@ impl PeerFetcher {
                         .header(header::CONTENT_LENGTH, len)
                         .header(oci::DOCKER_CONTENT_DIGEST, digest.to_string())
                         .body(body)
-                        .ok();
+                        .map_err(|_| PeerMiss::Unbuildable);
                 }
-                Err(failure) => self.health.failed(&peer, &failure),
+                Err(failure) => {
+                    self.health.failed(&peer, &failure);
+                    last = Some(failure);
+                }
             }
         }
-        None
+        Err(PeerMiss::after(asked, last))
     }
 
     async fn fetch_manifest(

@@ -14,7 +14,7 @@ use futures::{StreamExt, TryStreamExt};
 use tokio::io::AsyncReadExt;
 use tokio_util::io::ReaderStream;
 
-use super::failure::PeerFailure;
+use super::failure::{PeerFailure, PeerMiss};
 use crate::oci;
 
 /// Read size on an upgraded connection: large reads keep the per-chunk work (hashing call,
@@ -108,10 +108,11 @@ impl PeerResponse {
 
 /// A peer's answer, or none when it could not be built (a header value that is not valid
 /// HTTP): the pull goes on as if the peer had not answered, never with an empty success.
-pub(super) fn built(answer: Result<Response, axum::http::Error>) -> Option<Response> {
-    answer
-        .inspect_err(|e| tracing::warn!(error = %e, "a peer's answer could not be passed on"))
-        .ok()
+pub(super) fn built(answer: Result<Response, axum::http::Error>) -> Result<Response, PeerMiss> {
+    answer.map_err(|e| {
+        tracing::warn!(error = %e, "a peer's answer could not be passed on");
+        PeerMiss::Unbuildable
+    })
 }
 
 /// The peer's status and the headers that describe the content, with our body.

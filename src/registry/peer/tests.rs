@@ -73,7 +73,13 @@ async fn concurrent_misses_of_one_digest_share_one_lookup() {
         fetcher.blob(req, digest.clone()),
         fetcher.blob(req, Digest::sha256_of(b"another layer")),
     );
-    assert!(a.is_none() && b.is_none() && c.is_none());
+    for miss in [a, b, c] {
+        assert_eq!(
+            miss.err(),
+            Some(PeerMiss::NoProvider),
+            "nobody advertises it"
+        );
+    }
     assert_eq!(
         router.lookups.load(Ordering::SeqCst),
         2,
@@ -81,10 +87,10 @@ async fn concurrent_misses_of_one_digest_share_one_lookup() {
     );
     // A miss is remembered for NOT_FOUND_TTL: the GET after a HEAD, or a retry, asks
     // nobody; after that, the DHT is asked again (the digest may have been announced).
-    fetcher.blob(req, digest.clone()).await;
+    assert!(fetcher.blob(req, digest.clone()).await.is_err());
     assert_eq!(router.lookups.load(Ordering::SeqCst), 2);
     tokio::time::sleep(NOT_FOUND_TTL).await;
-    fetcher.blob(req, digest).await;
+    assert!(fetcher.blob(req, digest).await.is_err());
     assert_eq!(router.lookups.load(Ordering::SeqCst), 3);
 }
 
@@ -112,7 +118,10 @@ async fn a_lookup_still_walking_at_the_resolve_timeout_is_counted_apart_from_a_m
             range: None,
         };
         let digest = Digest::sha256_of(b"a layer nobody has");
-        assert!(fetcher.blob(req, digest).await.is_none());
+        assert_eq!(
+            fetcher.blob(req, digest).await.err(),
+            Some(PeerMiss::NoProvider)
+        );
         for result in ["found", "none", "timed_out"] {
             let n = metrics
                 .peer_lookups
