@@ -1,37 +1,10 @@
-//! Storm-proof rollouts: when several nodes miss the same digest at once, one node's
-//! containerd (the leader) fetches it from upstream, with its own credentials, and the others
-//! (followers) stream it from the leader's Ferry while the leader's containerd is still
-//! downloading it. Nothing but the DaemonSet takes part, and Ferry never talks to the registry.
+//! Storm-proof rollouts: when several nodes miss one digest at once, one node's containerd (the
+//! leader) fetches it upstream and the others (followers) stream the leader's download as it
+//! lands. The digest's coordinator (the node closest to it in the DHT) answers each claim with
+//! *lead* or *follow <leader>* from its lease table.
 //!
-//! How the nodes agree, with no extra component:
-//! 1. A miss (not in this node's store, no complete provider in the DHT) picks the digest's
-//!    *coordinator*: the node whose ID is XOR-closest to the digest's key, this node
-//!    included, from the DHT walk that has just found no provider (`routing::p2p::closest`).
-//!    Every node's walk for a key ends at the same closest nodes, so nodes agree without
-//!    being connected to each other (each node holds only a few dozen connections); a walk
-//!    too slow for the pull is replaced by the same rule over the nodes the router knows. A
-//!    router that cannot tell (the in-memory one of tests) falls back to rendezvous hashing
-//!    over the nodes it is connected to (`rendezvous.rs`).
-//! 2. It claims the digest there: one signed request to the coordinator's peer address (or a
-//!    call, when it is the coordinator), bounded by [`CLAIM_TIMEOUT`]. The coordinator's
-//!    lease table (`leases.rs`) answers *lead* to the first claimant and *follow <leader>* to
-//!    the next ones.
-//! 3. A leader's Ferry records that it leads the digest (so its peer address may serve it in
-//!    flight) and answers 404 at once: its containerd goes upstream as it always did.
-//! 4. A follower's Ferry asks the leader's peer address for the blob with [`FOLLOW_HEADER`].
-//!    The leader waits up to `--follow-timeout` for its containerd's download to start and
-//!    streams it out of containerd's download as it lands (`store::downloads`). The follower hashes
-//!    it on the way and holds back the last chunk until the digest checks out (the peer path's
-//!    verifying body).
-//! 5. A follower that gets nothing from the leader in time reports it in a new claim, which
-//!    makes it the leader (404, upstream) unless someone replaced the leader already.
-//!
-//! Every step only makes a pull faster or hands it back at once: an unreachable or slow
-//! coordinator, a leader that never starts, dies or stalls all end in today's behaviour (a
-//! 404 and containerd going upstream, or a cut transfer that containerd resumes from the next
-//! host with a Range). Walks that end at different closest nodes (nodes joining or leaving
-//! mid-storm, or a mixed-version rollout where older nodes still hash over their connected
-//! members) give two coordinators and so at worst two upstream fetches, never a failure.
+//! Invariant: every step only makes a pull faster or hands it back at once (a 404, or a cut
+//! transfer containerd resumes elsewhere); a wrong guess costs at most one more upstream fetch.
 
 pub mod leases;
 pub mod rendezvous;

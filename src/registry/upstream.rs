@@ -1,24 +1,8 @@
-//! Is the upstream registry answering? The mirror resolves a tag through peers only when it
-//! is not (`--resolve-tags when-upstream-fails`), so this is what keeps tags fresh.
+//! Is the upstream registry answering? The mirror resolves a tag through peers only when it is
+//! not (`--resolve-tags when-upstream-fails`), so this keeps tags fresh: a verdict per registry,
+//! refreshed in the background by `GET /v2/` on the hosts containerd would try after Ferry.
 //!
-//! Why a probe, and why this one. containerd (1.6 and 1.7, `remotes/docker/resolver.go`)
-//! resolves a tag by sending `HEAD /v2/<name>/manifests/<tag>` to each resolve-capable host in
-//! `hosts.toml` order, the server last, and moves on after a transport error, a 404 or any
-//! status above 399; it never comes back to an earlier host. Ferry is first, so it must decide
-//! before containerd has tried the registry, and it must decide at once (a healthy pull by tag
-//! may not wait for a round trip to the registry). An entry *after* the server cannot be
-//! written: containerd always appends the server last, and `_default/hosts.toml` (every
-//! registry, the default) has no server to repeat. So each node keeps a verdict per registry,
-//! refreshed in the background: `GET <api root>/` (`/v2/`) on the hosts containerd would try
-//! after Ferry, with no credentials, at most once per [`PROBE_INTERVAL`], only while the
-//! registry is in use. The request goes through the same `HTTPS_PROXY`/`NO_PROXY` environment
-//! that containerd's Go client reads; certificates are not checked, because the probe sends
-//! nothing and reads only whether an HTTP server answered (a private CA must not look like
-//! an outage).
-//!
-//! A registry answers when any of those hosts sends an HTTP status below 500 other than 429
-//! (`/v2/` is 200 or 401 on every registry). Refused, reset, timed out, 5xx or 429: it does
-//! not answer, and tags resolve through peers until a probe says otherwise.
+//! Invariant: a pull never waits for a probe; a registry not probed yet counts as answering.
 
 use std::collections::HashMap;
 use std::path::PathBuf;

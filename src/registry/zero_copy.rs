@@ -1,16 +1,9 @@
-//! Zero-copy sending of stored blobs on the peer address. A large blob another node's Ferry
-//! asks for goes from the page cache to the socket with `sendfile(2)`: none of its bytes pass
-//! through this process. hyper cannot be handed a file, so the asking Ferry offers an upgrade
-//! (`Upgrade: ferry-blob/1`); this node answers `101 Switching Protocols` carrying the headers
-//! of the 200 or 206 it would have sent (the status and length in `x-ferry-*` headers, since a
-//! 101 has no body of its own), then the raw bytes, then closes the connection. Everything
-//! else (a HEAD, a small blob, a store without files, an asker that did not offer, a follower
-//! served from a download in progress) is answered as before, so an older Ferry on either
-//! side sees plain HTTP.
+//! Zero-copy sending of stored blobs on the peer address: the asking Ferry offers an upgrade
+//! (`Upgrade: ferry-blob/1`), this node answers `101` with the headers of the answer it would
+//! have sent, then the bytes straight from the page cache with `sendfile(2)`.
 //!
-//! The upgraded connection keeps its slot of the listener's connection limit until it closes;
-//! a reader that stops reading for the idle timeout is cut off. What a cut-off costs the
-//! asking node is the same as a peer dying mid-body: it resumes from the next provider.
+//! Invariant: anything else (a HEAD, a small blob, an asker that did not offer) is plain HTTP,
+//! so an older Ferry on either side sees no difference.
 
 use std::fs::File;
 use std::io;

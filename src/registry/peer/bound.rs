@@ -1,18 +1,8 @@
-//! How long a pull waits for a lookup's first provider before the miss goes upstream.
+//! How long a pull waits for a lookup's first provider before the miss goes upstream:
+//! `--resolve-timeout` at least, up to `--resolve-timeout-max` on a node whose own recent
+//! lookups of present keys were slower. The times are kept across restarts (`save`, `load`).
 //!
-//! `--resolve-timeout` is the floor: where lookups are fast (a small cluster, connections
-//! open, one zone) a key nobody has costs a pull no more than that. A node whose lookups of
-//! keys other nodes do have take longer (walks that must dial nodes whose connections closed
-//! while idle, round trips across zones) learns it from its own lookups and waits longer, up
-//! to `--resolve-timeout-max`. The trade: a miss then costs up to that bound once per digest
-//! (misses are remembered, `NOT_FOUND_TTL`), where a hit cut short costs the whole blob from
-//! the registry.
-//!
-//! The times come from every lookup that found a provider, also those the pull stopped
-//! waiting for (`super::lookup` keeps reading the walk in the background): without them a
-//! bound too short would never see what it cuts. They are kept in the data directory across
-//! restarts (`save`, `load`): a node that reboots pulls its workloads' images while its
-//! connections are cold, the lookups the bound is for.
+//! Invariant: the wait is never below the floor nor above the ceiling.
 
 use std::collections::VecDeque;
 use std::path::Path;

@@ -1,16 +1,7 @@
-//! Anchor connections: the few connections a node keeps open while the rest idle out.
+//! Anchor connections: the few connections a node keeps open (by a stream of the anchor
+//! protocol) while the rest idle out, so that a node is never without peers between rounds.
 //!
-//! An announcement round reaches nearly every node (10,000 keys, 20 copies each, cover the
-//! whole key space), so a node connects to every other once per round. With connections kept
-//! longer than a round, every node held one to every node (299 of 300 in the simulation):
-//! O(N) sockets, identify exchanges and noise state per node. Connections now close after
-//! [`super::IDLE_CONNECTION_TIMEOUT`] without a stream; but a node whose connections all
-//! idle out has no peer between rounds (not ready, `no_peers`, bootstrap again). So each node
-//! holds [`ANCHORS`] of its connections open, drawn at random among its peers, by a stream of
-//! the anchor protocol (`anchor_handler.rs`): an open stream keeps a connection on both sides,
-//! and a ping on it every [`super::anchor_handler::PING_EVERY`] closes a connection whose peer
-//! is gone without a word. A node takes at most [`MAX_INBOUND`] anchors from others and
-//! releases the rest, whose holders pick another peer.
+//! Invariant: at most [`ANCHORS`] held by this node and [`MAX_INBOUND`] taken from others.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};

@@ -1,20 +1,9 @@
 //! Batched announcements: which nodes store which of this node's provider records, planned
-//! from one closest-peers walk per region of the key space instead of one walk per key.
+//! from one closest-peers walk per region of the key space instead of one walk per key; each
+//! storing node then gets one request with all its keys (`ProvideBatch`).
 //!
-//! Kademlia's own `start_providing` costs a walk to the key plus 20 ADD_PROVIDER messages,
-//! about 40-60 messages per key: a node with 10,000 digests re-announcing every 10 minutes
-//! sends 700-1,000 messages a second. Here the keys waiting to be announced are ordered by
-//! their position in the key space (the SHA-256 Kademlia uses). A walk to one of them finds
-//! the 20 nodes closest to it; every node in the smallest subtree of the key space around
-//! the target that the walk saw *entirely* (all its nodes are among the 20) is closer to every
-//! key of that subtree than any node outside it, so the walk also says where every pending key
-//! of that subtree belongs. Each node then gets one request with all its keys
-//! (`ProvideBatch`). A round of 10,000 keys on 1,000 nodes costs about 70 walks and one
-//! request per node that stores something: a few thousand messages instead of 500,000.
-//!
-//! The records land on the nodes a per-key announcement would have picked, or their nearest
-//! neighbours where the walk saw only part of the next subtree; a lookup walks to the same
-//! neighbourhood and asks them, so it finds them as it finds Kademlia's own.
+//! Invariant: a record lands on the nodes a per-key announcement would have picked, or their
+//! nearest neighbours, so a lookup finds it as it finds Kademlia's own.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

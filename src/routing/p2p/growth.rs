@@ -1,19 +1,9 @@
-//! An early round when the network has grown several times over since this node's last one.
+//! An early announcement round when the network has grown several times over since this
+//! node's last one (keys placed among the few nodes that existed would be missed by lookups
+//! until the next round). The size is estimated from the routing table.
 //!
-//! A round puts each key on the 20 nodes closest to it *then*. A lookup asks the 20 closest
-//! *now*, and finds the key if any of them holds it. After the network grows from `k` to `N`
-//! nodes, each of today's 20 closest is one of the earlier `k` with probability `k / N`, so a
-//! key is missed with probability about `(1 - k/N)^20`: 0.3% at 4x growth, 12% at 10x, 36% at
-//! 20x. Without this, the first nodes of a cluster that is being rolled out (or one growing
-//! fast) have their keys placed among the handful of nodes that existed, and lookups miss
-//! them until the next round, up to 10 minutes later (the scale simulation with nodes started
-//! one after another over a minute: 6 of 400 lookups missed).
-//!
-//! The network's size is estimated from the routing table: node IDs are uniform in the key
-//! space, so the 20th closest known node lies at about `20 / N` of it. The table always holds
-//! a node's nearest peers (Kademlia fills the near buckets first, and the periodic bootstrap
-//! walks to this node's own ID), so the estimate follows the growth. It is noisy (about 20%),
-//! far below the factor that triggers a round.
+//! Invariant: a round starts early only when the estimate is [`GROWTH_FACTOR`] times the one
+//! taken when the last round ended.
 
 use std::time::{Duration, Instant};
 

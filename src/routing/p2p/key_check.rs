@@ -1,19 +1,9 @@
-//! Tells a dialler with another cluster secret apart at once, on the listening side.
+//! Tells a dialler with another cluster secret apart at once, on the listening side: every
+//! libp2p dialler sends the negotiation header first, so anything else after the
+//! private-network handshake is another key, and the connection is closed (`libp2p-pnet` never
+//! checks the key itself, and such a dial would hang until the connection timeout).
 //!
-//! The private-network handshake (`libp2p-pnet`) exchanges nonces only and never checks that
-//! both sides hold the same key: with different keys each side reads the other's bytes as
-//! noise. The listener's protocol negotiation then takes the first garbage byte for the
-//! length of a message still to come and, when that length is more than the dialler sent,
-//! waits for the rest until the connection timeout (10 s), and so does the dialler, which can
-//! only report a timeout: to it, a node with another secret looks like a node that is down,
-//! and `peer_handshake_failing` (see `problems.rs`) may never be raised on the node with the
-//! wrong secret, which is the one that must say so. Every libp2p dialler sends the
-//! negotiation's header first, so the listener reads those bytes itself: anything else is
-//! another key, and the connection is closed at once, which the dialler sees as a failed
-//! handshake. The bytes read are handed back to the negotiation unchanged. The same holds
-//! between a node with a secret and one without (each reads the other's nonce, or its
-//! header, as the wrong thing), so a cluster half-way through turning its secret on sees
-//! the split at once on both sides, and so does a node without a secret that a member dials.
+//! Invariant: the bytes read are handed back to the negotiation unchanged.
 
 use std::io;
 use std::pin::Pin;

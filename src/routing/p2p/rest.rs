@@ -1,21 +1,8 @@
 //! Keys that need not be announced this round: their storing nodes already hold a full set of
-//! providers that does not include this node.
+//! providers without this node (a quarter of them refused it as full), so the key rests for
+//! one or two rounds, drawn per key.
 //!
-//! A storing node keeps at most 20 providers per key. A key every node holds (most of a
-//! cluster's layers) is sent to its 20 storing nodes by every node, every round, and all but
-//! 20 of those records are dropped on arrival: in the scale simulation 80% of a round's bytes.
-//! A storing node says which keys it refused as full (`ProvideAck::full`); a key refused by a
-//! quarter of the nodes it went to rests for one or two rounds (drawn per key). The key stays
-//! findable through the 20 records each full node holds; a held provider that leaves frees its
-//! slot when its record expires, and the resting nodes come back within two rounds to fill it.
-//! A storing node never refuses a provider it holds (it stores the refresh). New keys are never
-//! resting.
-//!
-//! Why a quarter, not most: each node places a key on the 20 closest nodes *its* walk found,
-//! and walks from different nodes see slightly different neighbourhoods, so a shared key's
-//! records spread over its dozen or so truly closest nodes (all full) and a varying rim of
-//! others (rarely full). A node left out is refused by about 7 of its 20 (simulation, 50 nodes
-//! sharing 1,600 keys); at "half" only 4 keys per node and round rested.
+//! Invariant: new keys never rest, and a resting key stays findable through the full nodes.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,15 +1,7 @@
-//! Kademlia's record store, sized for Ferry: provider records only, held compactly.
+//! Kademlia's record store, sized for Ferry: provider records only, each key and each provider
+//! stored once, a record 24 bytes (libp2p's own reserves about 4 KiB per key).
 //!
-//! libp2p's `MemoryStore` keeps every key's providers in a `SmallVec` with room for 20 records
-//! inline, about 4 KiB per key whether one node provides it or twenty. A node with 2,500
-//! images (10,000 digests, 12,500 keys) held 50 MiB in it (measured with massif; resident
-//! memory 80 MiB). A `ProviderRecord` itself is about 300 bytes (its own copy of the key, the
-//! provider's ID and addresses), and in a large cluster a node holds records for 50,000-80,000
-//! keys of other nodes (the scale simulation: 48 MiB per node at 100 nodes with whole records).
-//! Here each key is stored once, each provider once (its ID and addresses, shared by all its
-//! records), and a record is the provider's number and its expiry: 24 bytes. Records are
-//! rebuilt when Kademlia asks for them. Ferry stores no values in the DHT: value records are
-//! refused.
+//! Invariant: value records are refused; provider records are rebuilt when Kademlia asks.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, hash_map};
