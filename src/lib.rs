@@ -29,6 +29,9 @@
 //!
 //! The rooms and what each may import: `ARCHITECTURE.md`.
 
+// `pub` only for what the public modules export; everything else is `pub(crate)`.
+#![warn(unreachable_pub)]
+
 pub mod app;
 pub mod cli;
 pub mod coalesce;

@@ -20,7 +20,7 @@ const HOSTS_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
 /// What in containerd's own config makes Ferry useless on this node (`preflight`): each a
 /// problem (a warning logged once as it appears, a line in `/readyz`, a metric), never a
 /// reason to be unready; cleared once the config is fixed (looked at again every minute).
-pub fn check_containerd_config(config: &Config, problems: &Problems) {
+pub(super) fn check_containerd_config(config: &Config, problems: &Problems) {
     let found = preflight::check(&config.containerd_config, &config.hosts_dir);
     for name in preflight::PROBLEMS {
         match found.iter().find(|w| w.problem == name) {
@@ -30,7 +30,7 @@ pub fn check_containerd_config(config: &Config, problems: &Problems) {
     }
 }
 
-pub async fn refresh_hosts(
+pub(super) async fn refresh_hosts(
     config: Config,
     store: Arc<dyn ContentStore>,
     problems: Arc<Problems>,

@@ -35,7 +35,7 @@ pub(super) struct Node {
 impl Node {
     /// The API client (local files only: no request to the API server yet), and the loops
     /// that lift the node's ready taint and report configuration problems as Node events.
-    pub async fn kubernetes(&self, config: &Config) -> Option<kube::Client> {
+    pub(super) async fn kubernetes(&self, config: &Config) -> Option<kube::Client> {
         if !config.kubernetes.enabled() {
             return None;
         }
@@ -66,7 +66,11 @@ impl Node {
     /// The peer client, starting from the lookup times an earlier run learnt. One that cannot
     /// be built (it never happens in practice) leaves this node serving its own content, said
     /// loudly, rather than silently with default timeouts.
-    pub fn fetcher(&self, config: &Config, peers: Option<&Peers>) -> Option<Arc<PeerFetcher>> {
+    pub(super) fn fetcher(
+        &self,
+        config: &Config,
+        peers: Option<&Peers>,
+    ) -> Option<Arc<PeerFetcher>> {
         let peers = peers?;
         let secret = config.cluster_secret.clone();
         let (metrics, store) = (self.metrics.clone(), self.store.clone());
@@ -93,7 +97,7 @@ impl Node {
     }
 
     /// Coordination of simultaneous misses, when `--coalesce` is on and peers can be asked.
-    pub fn coalescer(
+    pub(super) fn coalescer(
         &self,
         peers: Option<&Peers>,
         fetcher: Option<&Arc<PeerFetcher>>,
@@ -113,12 +117,17 @@ impl Node {
         )))
     }
 
-    pub fn spawn_server(&self, name: &'static str, listener: TcpListener, router: axum::Router) {
+    pub(super) fn spawn_server(
+        &self,
+        name: &'static str,
+        listener: TcpListener,
+        router: axum::Router,
+    ) {
         listen::spawn(&self.tracker, &self.token, name, listener, router);
     }
 
     /// The loops that keep readiness, problems and the DHT current.
-    pub fn spawn_loops(
+    pub(super) fn spawn_loops(
         &self,
         config: &Config,
         peers: Option<Peers>,
@@ -153,7 +162,7 @@ impl Node {
     }
 
     /// Waits for `shutdown`, then lets in-flight requests finish for [`SHUTDOWN_GRACE`].
-    pub async fn drain(self, shutdown: impl Future<Output = ()>) {
+    pub(super) async fn drain(self, shutdown: impl Future<Output = ()>) {
         self.tracker.close();
         shutdown.await;
         tracing::info!(

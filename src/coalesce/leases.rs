@@ -11,7 +11,7 @@ use crate::routing::Peer;
 /// A leader is trusted this long from its grant. A blob that takes longer to download gets a
 /// second leader (a second upstream fetch, never a failure); a leader that dies earlier is
 /// replaced as soon as a follower reports it.
-pub const LEASE: Duration = Duration::from_secs(600);
+pub(crate) const LEASE: Duration = Duration::from_secs(600);
 /// At most this many leases are kept (about 100 bytes each); beyond it the oldest go.
 const MAX_LEASES: usize = 100_000;
 
@@ -25,14 +25,14 @@ pub enum Grant {
 }
 
 #[derive(Debug, Default)]
-pub struct Leases {
+pub(crate) struct Leases {
     table: Mutex<HashMap<Digest, (Peer, Instant)>>,
 }
 
 impl Leases {
     /// `claimant` asks who leads `digest`, and reports `failed` (a leader it could not
     /// follow), if any. The first claimant leads until its lease ends or it is reported.
-    pub fn claim(
+    pub(crate) fn claim(
         &self,
         digest: &Digest,
         claimant: &Peer,
@@ -65,14 +65,6 @@ impl Leases {
         }
         table.insert(digest.clone(), (claimant.clone(), now));
         Grant::Lead
-    }
-
-    pub fn len(&self) -> usize {
-        self.table.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

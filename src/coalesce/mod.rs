@@ -6,9 +6,9 @@
 //! Invariant: every step only makes a pull faster or hands it back at once (a 404, or a cut
 //! transfer containerd resumes elsewhere); a wrong guess costs at most one more upstream fetch.
 
-pub mod leases;
+pub(crate) mod leases;
 pub mod rendezvous;
-pub mod transfers;
+pub(crate) mod transfers;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -17,7 +17,7 @@ use crate::oci::Digest;
 /// The digests this node's containerd is being sent now, by the mirror. One owner: this
 /// table; a [`Transfer`] removes its entry when the response it belongs to ends.
 #[derive(Debug, Default)]
-pub struct Transfers {
+pub(crate) struct Transfers {
     active: Mutex<HashMap<Digest, usize>>,
 }
 
@@ -32,7 +32,7 @@ pub struct Transfer {
 }
 
 impl Transfers {
-    pub fn begin(self: &Arc<Self>, digest: &Digest) -> Transfer {
+    pub(crate) fn begin(self: &Arc<Self>, digest: &Digest) -> Transfer {
         let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
         let count = active.entry(digest.clone()).or_insert(0);
         *count += 1;

@@ -31,7 +31,7 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The DaemonSet's pods, listed at most once per [`LIST_FRESH`] (or [`LIST_RETRY`]), only
 /// when asked.
-pub struct KubernetesBootstrap {
+pub(crate) struct KubernetesBootstrap {
     api: Api<Pod>,
     selector: String,
     port: u16,
@@ -52,7 +52,7 @@ impl std::fmt::Debug for KubernetesBootstrap {
 
 impl KubernetesBootstrap {
     /// Pods matching `selector` in `namespace`, dialled at `port`. Asks the API nothing yet.
-    pub fn new(client: kube::Client, namespace: &str, selector: &str, port: u16) -> Self {
+    pub(crate) fn new(client: kube::Client, namespace: &str, selector: &str, port: u16) -> Self {
         KubernetesBootstrap {
             api: Api::namespaced(client, namespace),
             selector: selector.to_string(),
@@ -62,7 +62,7 @@ impl KubernetesBootstrap {
     }
 
     /// The pod IPs: the last list's while it stands, else a new list's.
-    pub async fn pod_ips(&self) -> Vec<IpAddr> {
+    pub(crate) async fn pod_ips(&self) -> Vec<IpAddr> {
         let mut last = self.last.lock().await;
         if let Some((at, answered, ips)) = last.as_ref() {
             let stands = if *answered && ips.len() > 1 {

@@ -7,11 +7,11 @@ use kube::Api;
 use kube::api::PostParams;
 
 /// Nodes are cluster-scoped; their events live here, as the kubelet's do.
-pub const EVENT_NAMESPACE: &str = "default";
+pub(crate) const EVENT_NAMESPACE: &str = "default";
 
 /// What an Event says.
 #[derive(Debug, Clone, Copy)]
-pub struct NodeEvent<'a> {
+pub(crate) struct NodeEvent<'a> {
     /// `FerryReady`, `FerryMisconfigured`
     pub reason: &'a str,
     /// `Normal` or `Warning`
@@ -20,7 +20,7 @@ pub struct NodeEvent<'a> {
 }
 
 /// Records `event` on `node`.
-pub async fn record(
+pub(crate) async fn record(
     client: &kube::Client,
     node: &str,
     event: NodeEvent<'_>,

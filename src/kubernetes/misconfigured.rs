@@ -14,16 +14,16 @@ use crate::ops::problems::Problems;
 
 /// How often the problems are looked at: they change at most every few seconds (the
 /// containerd config is re-read each minute; a handshake failure holds for a while).
-pub const POLL: Duration = Duration::from_secs(5);
+pub(crate) const POLL: Duration = Duration::from_secs(5);
 /// A problem that comes back this soon after it was reported is not reported again (a flapping
 /// peer network would otherwise write an event every few seconds).
-pub const REPEAT_AFTER: Duration = Duration::from_secs(600);
+pub(crate) const REPEAT_AFTER: Duration = Duration::from_secs(600);
 
 /// Which problems to report now, given those that hold (`current`) and the last report of
 /// each; updates `state`. A problem is reported when it appears, unless it was reported less
 /// than `REPEAT_AFTER` ago.
 #[derive(Debug, Default)]
-pub struct Reporter {
+pub(crate) struct Reporter {
     /// What held at the last look.
     holding: BTreeSet<&'static str>,
     /// When each problem was last reported.
@@ -31,7 +31,11 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    pub fn due(&mut self, current: &[(&'static str, String)], now: Instant) -> Vec<&'static str> {
+    pub(crate) fn due(
+        &mut self,
+        current: &[(&'static str, String)],
+        now: Instant,
+    ) -> Vec<&'static str> {
         let holding: BTreeSet<&'static str> = current.iter().map(|(p, _)| *p).collect();
         let due = holding
             .iter()
@@ -48,19 +52,19 @@ impl Reporter {
     }
 
     /// `problem` was reported at `now`.
-    pub fn reported(&mut self, problem: &'static str, now: Instant) {
+    pub(crate) fn reported(&mut self, problem: &'static str, now: Instant) {
         self.reported.insert(problem, now);
     }
 
     /// The event for `problem` could not be written: try again at the next look.
-    pub fn failed(&mut self, problem: &'static str) {
+    pub(crate) fn failed(&mut self, problem: &'static str) {
         self.holding.remove(problem);
     }
 }
 
 /// Reports each problem of this node as it appears, until cancelled. Runs on its own task: an
 /// API server that is down delays nothing but the event.
-pub async fn report(
+pub(crate) async fn report(
     client: kube::Client,
     node: String,
     problems: Arc<Problems>,

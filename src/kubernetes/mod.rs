@@ -7,11 +7,11 @@
 //! everything else. Nothing here is on the mirror's path: the API server being down or slow
 //! delays neither the hosts.toml entries nor a single pull.
 
-pub mod bootstrap;
+pub(crate) mod bootstrap;
 pub mod cleanup_wait;
-pub mod events;
-pub mod misconfigured;
-pub mod taint;
+pub(crate) mod events;
+pub(crate) mod misconfigured;
+pub(crate) mod taint;
 
 /// A client from the in-cluster configuration or `KUBECONFIG`. Reads local files only.
 pub async fn client() -> Result<kube::Client, kube::Error> {

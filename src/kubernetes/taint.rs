@@ -19,7 +19,7 @@ const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
-pub struct TaintConfig {
+pub(crate) struct TaintConfig {
     /// This node (`NODE_NAME` from the downward API).
     pub node: String,
     /// The taint key to remove; `None` leaves taints alone (the Event is still recorded).
@@ -27,7 +27,7 @@ pub struct TaintConfig {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     Removed,
     NotTainted,
 }
@@ -35,7 +35,7 @@ pub enum Outcome {
 /// Waits until Ferry is ready, then removes the taint (retrying with backoff while the API
 /// server is unreachable or the node changed under us) and records an Event. Runs on its own
 /// task: nothing waits for it.
-pub async fn remove_when_ready(
+pub(crate) async fn remove_when_ready(
     client: kube::Client,
     config: TaintConfig,
     readiness: Arc<Readiness>,
@@ -81,7 +81,11 @@ pub async fn remove_when_ready(
 /// Removes taints with `key` from `node`. The patch carries the node's resourceVersion: if
 /// anything changed the node since we read it (another taint added), the API server refuses
 /// and we read again, so no one else's taint is ever lost.
-pub async fn remove(client: &kube::Client, node: &str, key: &str) -> Result<Outcome, kube::Error> {
+pub(crate) async fn remove(
+    client: &kube::Client,
+    node: &str,
+    key: &str,
+) -> Result<Outcome, kube::Error> {
     let nodes: Api<Node> = Api::all(client.clone());
     let current = nodes.get(node).await?;
     let taints = current

@@ -1,6 +1,6 @@
 //! Every metric family Ferry exports, in one place.
 
-pub mod process;
+pub(crate) mod process;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;

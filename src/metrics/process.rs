@@ -13,12 +13,12 @@ use prometheus_client::metrics::gauge::ConstGauge;
 const TICKS_PER_SECOND: f64 = 100.0;
 
 #[derive(Debug, Default)]
-pub struct ProcessCollector;
+pub(crate) struct ProcessCollector;
 
 /// One reading of `/proc/self`; a field is `None` where `/proc` could not be read (not Linux,
 /// a hardened `/proc`): that metric is left out rather than reported as 0.
 #[derive(Debug, Default, PartialEq)]
-pub struct Reading {
+pub(crate) struct Reading {
     pub cpu_seconds: Option<f64>,
     pub start_time_seconds: Option<f64>,
     pub resident_bytes: Option<i64>,
@@ -28,7 +28,7 @@ pub struct Reading {
 }
 
 impl Reading {
-    pub fn now() -> Self {
+    pub(crate) fn now() -> Self {
         let read = |p: &str| std::fs::read_to_string(p).ok();
         let stat = read("/proc/self/stat");
         let (cpu_seconds, start_ticks) = stat.as_deref().map(parse_stat).unwrap_or_default();

@@ -8,14 +8,14 @@ use std::net::IpAddr;
 
 /// An address picked for this node, with where it came from (for the log line).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Chosen {
+pub(crate) struct Chosen {
     pub ip: IpAddr,
     pub interface: String,
     pub why: &'static str,
 }
 
 /// This host's pick: its interfaces' addresses and its routing tables, read now.
-pub fn reachable_ip() -> Option<Chosen> {
+pub(crate) fn reachable_ip() -> Option<Chosen> {
     let addrs: Vec<(String, IpAddr)> = if_addrs::get_if_addrs()
         .ok()?
         .into_iter()

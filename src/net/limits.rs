@@ -13,10 +13,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Open connections per listener. containerd opens a few per pull; a node runs a handful of
 /// pulls at once; peers add one pool each. Thousands is generous and still bounded.
-pub const MAX_CONNECTIONS: usize = 2048;
+pub(crate) const MAX_CONNECTIONS: usize = 2048;
 /// Requests being answered at once per listener, bodies included (each holds at most one read
 /// buffer).
-pub const MAX_IN_FLIGHT: usize = 1024;
+pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 
 /// A TCP listener that accepts at most `limit` connections at a time.
 #[derive(Debug)]

@@ -18,7 +18,7 @@ const LISTEN_BACKLOG: i32 = 4096;
 /// Binds `addr`. The IPv6 wildcard `[::]` takes IPv4 connections too (whatever the host's
 /// `net.ipv6.bindv6only`), so one value (the chart's) works on IPv4, IPv6 and dual-stack
 /// nodes; on a host whose kernel has IPv6 turned off it falls back to `0.0.0.0`.
-pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     match listen_on(addr) {
         Err(e) if addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) => {
             let v4 = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port());
@@ -46,7 +46,7 @@ fn listen_on(addr: SocketAddr) -> std::io::Result<TcpListener> {
 
 /// Serves `router` on `listener`, with the connection, request and header bounds, until
 /// `token` is cancelled; the task is tracked so shutdown can drain it.
-pub fn spawn(
+pub(crate) fn spawn(
     tracker: &TaskTracker,
     token: &CancellationToken,
     name: &'static str,

@@ -4,7 +4,7 @@
 //! return an error for bad input, never panic.
 
 pub mod digest;
-pub mod error;
+pub(crate) mod error;
 pub mod manifest;
 pub mod path;
 pub mod range;

@@ -17,7 +17,7 @@ use crate::registry::peer::diagnostic_pull::TestPull;
 /// Only one test pull at a time: each may move a whole blob.
 static TEST_PULL: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
-pub async fn page(State(s): State<Sources>, request: axum::extract::Request) -> Response {
+pub(crate) async fn page(State(s): State<Sources>, request: axum::extract::Request) -> Response {
     if !ops::from_this_host(&request) {
         return ops::refused("/debug");
     }
@@ -28,14 +28,14 @@ pub async fn page(State(s): State<Sources>, request: axum::extract::Request) -> 
 }
 
 #[derive(Debug, Deserialize)]
-pub struct TestPullQuery {
+pub(crate) struct TestPullQuery {
     digest: String,
     /// `json` for the report as JSON (scripts); HTML otherwise.
     format: Option<String>,
 }
 
 /// `GET /debug/test-pull?digest=sha256:...`: the digest through the peer path, reported.
-pub async fn test_pull(
+pub(crate) async fn test_pull(
     State(s): State<Sources>,
     Query(q): Query<TestPullQuery>,
     request: axum::extract::Request,

@@ -1,10 +1,10 @@
 //! The operations listener: `/metrics`, `/healthz`, `/readyz`, `/status` (what `ferry status`
 //! prints, as JSON) and, when turned on, `/debug` (the same as a page, and a test pull).
 
-pub mod debug_page;
+pub(crate) mod debug_page;
 pub mod problems;
 pub mod status;
-pub mod watch;
+pub(crate) mod watch;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

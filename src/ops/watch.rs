@@ -20,7 +20,7 @@ use crate::trust::secret::ClusterSecret;
 /// enough for the nodes of a new pool to find each other (they dial again within tens of
 /// milliseconds), short enough that the first node of a cluster, which has no one to find,
 /// is ready soon anyway.
-pub const FIRST_PEER_WAIT: Duration = Duration::from_secs(15);
+pub(crate) const FIRST_PEER_WAIT: Duration = Duration::from_secs(15);
 /// How often a reachable containerd is probed; a restart is noticed within this.
 const HEALTH_INTERVAL: Duration = Duration::from_secs(2);
 /// Reconnect backoff while containerd is down: starts small (containerd usually comes up
@@ -30,7 +30,7 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Holds readiness back until the first peer is connected, for at most [`FIRST_PEER_WAIT`];
 /// then keeps `no_peers` (see `problems.rs`) current for as long as the node runs.
-pub async fn watch_peers(
+pub(crate) async fn watch_peers(
     router: Arc<dyn ContentRouting>,
     readiness: Arc<Readiness>,
     problems: Arc<Problems>,
@@ -89,7 +89,7 @@ const SECRET_CHECK: Duration = Duration::from_secs(30);
 /// started with (switching would cut it off from every node that has not switched yet); the
 /// nodes started since use the new one, and the two groups never talk: a silent split, which
 /// is what a GitOps tool re-rendering the chart's generated secret causes.
-pub async fn watch_secret(
+pub(crate) async fn watch_secret(
     path: PathBuf,
     started_with: ClusterSecret,
     problems: Arc<Problems>,
@@ -117,7 +117,7 @@ pub async fn watch_secret(
 
 /// Keeps readiness and `containerd_up` current; never exits on its own, whatever containerd
 /// does, because Ferry must outlive containerd restarts.
-pub async fn watch_containerd(
+pub(crate) async fn watch_containerd(
     store: Arc<dyn ContentStore>,
     readiness: Arc<Readiness>,
     metrics: Arc<Metrics>,

@@ -22,18 +22,18 @@ use crate::store::{ByteStream, ContentStore, StoreError};
 
 /// A download that lands nothing for this long is given up on by the streams reading it
 /// (their askers resume elsewhere): as `--peer-idle-timeout`'s default.
-pub const IDLE: Duration = Duration::from_secs(5);
+pub(super) const IDLE: Duration = Duration::from_secs(5);
 
 /// containerd renames a download into place, then records the commit: a blob whose file is
 /// there may be unknown to containerd for a moment. Asked again this often, this many times
 /// (half a second in all).
-pub const COMMIT_RECORD_POLL: Duration = Duration::from_millis(10);
-pub const COMMIT_RECORD_TRIES: usize = 50;
+pub(super) const COMMIT_RECORD_POLL: Duration = Duration::from_millis(10);
+pub(super) const COMMIT_RECORD_TRIES: usize = 50;
 
 /// The request's range, if any: only ranges to the end are served from a download in
 /// progress (containerd resumes with `bytes=<offset>-`); any other is a miss, and the
 /// asker goes elsewhere.
-pub fn range_to_end(headers: &HeaderMap, total: u64) -> Result<Option<ByteRange>, ApiError> {
+pub(super) fn range_to_end(headers: &HeaderMap, total: u64) -> Result<Option<ByteRange>, ApiError> {
     let Some(v) = headers.get(header::RANGE) else {
         return Ok(None);
     };
@@ -48,14 +48,14 @@ pub fn range_to_end(headers: &HeaderMap, total: u64) -> Result<Option<ByteRange>
 }
 
 /// What is read out of the download: from the range's start (or 0) to `total`.
-pub struct InFlightBody {
+pub(super) struct InFlightBody {
     pub stream: ByteStream,
     pub total: u64,
     pub range: Option<ByteRange>,
 }
 
 /// What opening a download for a request found.
-pub enum Opened {
+pub(super) enum Opened {
     Body(InFlightBody),
     /// It landed before it could be opened: answer from the landed blob.
     Landed,
@@ -66,7 +66,7 @@ pub enum Opened {
 /// Opens `download` from the request's range (to the end) on. With `alive_by`, only a download
 /// that is alive by then: a follower whose leader has nothing (its containerd died, its
 /// upstream refused) hears so in time to go upstream itself, instead of stalling mid-body.
-pub async fn open(
+pub(super) async fn open(
     download: &InFlight,
     headers: &HeaderMap,
     alive_by: Option<Instant>,
@@ -100,7 +100,7 @@ pub async fn open(
 
 /// A landed blob ([`ContentStore::landed`], in any containerd namespace), from the request's
 /// range (to the end) on.
-pub async fn open_landed(
+pub(super) async fn open_landed(
     store: &dyn ContentStore,
     digest: &Digest,
     headers: &HeaderMap,
@@ -121,7 +121,7 @@ pub async fn open_landed(
 
 /// The answer out of a download: a manifest read whole and checked, or a blob streamed as it
 /// lands (checked on the way when `verify`: the asker does not hash it itself).
-pub async fn respond(
+pub(super) async fn respond(
     head: bool,
     manifest: bool,
     digest: &Digest,

@@ -28,7 +28,7 @@ pub(super) struct Local {
 impl Local {
     /// A manifest by digest, or by tag as this node's image store names it (the peer
     /// address only: the mirror never answers a tag from here).
-    pub async fn manifest(
+    pub(super) async fn manifest(
         &self,
         head: bool,
         ns: Option<&str>,
@@ -96,7 +96,7 @@ impl Local {
     /// A blob, whole or one range of it. `zero_copy`: the asker offered the upgrade of
     /// `zero_copy.rs` (the peer address only); a large enough blob stored as a file is then
     /// sent with `sendfile`.
-    pub async fn blob(
+    pub(super) async fn blob(
         &self,
         head: bool,
         headers: &HeaderMap,

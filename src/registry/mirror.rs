@@ -73,7 +73,7 @@ struct Mirror {
 
 /// The mirror address's router. Every path goes to one handler that parses the raw path
 /// itself: names contain slashes, and percent-decoding must not happen before validation.
-pub fn router(state: MirrorState) -> Router {
+pub(crate) fn router(state: MirrorState) -> Router {
     let local = Local {
         store: state.store.clone(),
         metrics: state.metrics.clone(),

@@ -7,18 +7,18 @@
 
 mod error;
 mod in_flight;
-pub mod integrity;
+pub(crate) mod integrity;
 mod local;
-pub mod mirror;
+pub(crate) mod mirror;
 pub mod peer;
-pub mod peer_api;
-pub mod recent;
+pub(crate) mod peer_api;
+pub(crate) mod recent;
 mod request;
-pub mod source;
-pub mod tags;
+pub(crate) mod source;
+pub(crate) mod tags;
 #[cfg(test)]
 mod tests;
-pub mod upstream;
+pub(crate) mod upstream;
 pub mod zero_copy;
 
 pub use error::ApiError;

@@ -83,7 +83,7 @@ struct PeerApi {
 /// The peer address's router: claims, and pulls through one handler (for the same reason as
 /// the mirror's). Every request shows its token first ([`authorized`]); pulls are counted and
 /// logged ([`request::counted`]), 401s included.
-pub fn router(state: PeerApiState) -> Router {
+pub(crate) fn router(state: PeerApiState) -> Router {
     let local = Local {
         store: state.store.clone(),
         metrics: state.metrics.clone(),

@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 /// How many pulls are kept.
-pub const KEPT: usize = 32;
+pub(crate) const KEPT: usize = 32;
 
 /// One answer of the mirror.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

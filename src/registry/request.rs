@@ -34,7 +34,7 @@ pub(super) struct Pull {
 
 impl Pull {
     /// The `/v2/` answer: both addresses speak the registry API.
-    pub fn base() -> Response {
+    pub(super) fn base() -> Response {
         (
             StatusCode::OK,
             [

@@ -18,10 +18,10 @@ use crate::oci::registry::Registries;
 
 /// A registry in use is probed this often: an outage is noticed within this, and a node sends
 /// each registry at most 6 probes a minute.
-pub const PROBE_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(10);
 /// A probe gets no answer within this: the registry is not answering (containerd's own dial
 /// timeout is 30 s; a registry this slow to say `/v2/` fails pulls anyway).
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// At most this many registries are probed at once: `ns` comes from the request, and any
 /// local process can reach the mirror. Beyond it, a registry counts as answering.
 const MAX_WATCHED: usize = 256;
@@ -286,7 +286,7 @@ fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
 
 /// `GET <root>/` on each API root in turn: the first that answers decides; if none does, the
 /// first failure is the reason.
-pub async fn probe(client: &reqwest::Client, roots: &[String]) -> Verdict {
+pub(crate) async fn probe(client: &reqwest::Client, roots: &[String]) -> Verdict {
     let mut first_failure = None;
     for root in roots {
         let failure = match client.get(format!("{root}/")).send().await {

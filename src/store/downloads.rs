@@ -17,7 +17,7 @@ use crate::oci::Digest;
 
 /// How often a wait looks again. Bytes arrive from the upstream in bursts; 10 ms keeps a
 /// follower within a few bursts of the leader.
-pub const POLL: Duration = Duration::from_millis(10);
+pub(crate) const POLL: Duration = Duration::from_millis(10);
 
 /// A download in progress, as a store opened it.
 #[async_trait::async_trait]
@@ -37,7 +37,7 @@ pub trait Download: Send + Sync + Debug {
 }
 
 /// A download, shared by the waits and readers that follow it.
-pub type InFlight = Arc<dyn Download>;
+pub(crate) type InFlight = Arc<dyn Download>;
 
 /// Which downloads of a digest a caller may read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +60,7 @@ pub enum Landing {
 /// Waits up to `wait` for a download of `digest` in the store's namespace to appear (a
 /// leader's containerd starts it a moment after its Ferry said 404), or for the blob to be
 /// committed (a small blob may come and go between two looks).
-pub async fn wait_for(store: &dyn ContentStore, digest: &Digest, wait: Duration) -> Landing {
+pub(crate) async fn wait_for(store: &dyn ContentStore, digest: &Digest, wait: Duration) -> Landing {
     let deadline = Instant::now() + wait;
     loop {
         if let Some(download) = store
@@ -85,7 +85,7 @@ pub async fn wait_for(store: &dyn ContentStore, digest: &Digest, wait: Duration)
 /// download whose writer waits for the very request being answered does not grow, so it is
 /// never picked (that would be a request waiting for itself). `Committed` when one is gone
 /// and the blob has landed between two looks.
-pub async fn growing(
+pub(crate) async fn growing(
     store: &dyn ContentStore,
     digest: &Digest,
     candidates: Vec<InFlight>,
@@ -114,7 +114,7 @@ pub async fn growing(
 /// Whether the download is alive: written within `live`, or grows past `offset` before
 /// `deadline`. A download whose containerd died, or whose upstream refused it, is left
 /// behind, still: it must not be followed. `false` too when it is gone (the caller looks).
-pub async fn alive(
+pub(crate) async fn alive(
     download: &dyn Download,
     offset: u64,
     live: Duration,
@@ -140,7 +140,7 @@ pub async fn alive(
 /// `stream`, the whole of the blob `digest`, checked on the way: the last chunk is only passed
 /// on once every byte matches, so a client sees a body cut short (and resumes elsewhere),
 /// never a complete body with wrong bytes.
-pub fn verified(stream: ByteStream, digest: Digest, total: u64) -> ByteStream {
+pub(crate) fn verified(stream: ByteStream, digest: Digest, total: u64) -> ByteStream {
     let state = (stream, digest.hasher(), 0u64);
     futures::stream::unfold(Some(state), move |state| {
         let digest = digest.clone();

@@ -7,7 +7,7 @@
 #[cfg(any(test, feature = "test-support"))]
 pub mod conformance;
 pub mod containerd;
-pub mod downloads;
+pub(crate) mod downloads;
 #[cfg(any(test, feature = "test-support"))]
 pub mod memory;
 

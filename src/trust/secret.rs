@@ -7,7 +7,7 @@ use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
 /// A secret shorter than this is refused: it would be guessable offline from one token.
-pub const MIN_SECRET_BYTES: usize = 16;
+pub(crate) const MIN_SECRET_BYTES: usize = 16;
 const PNET_LABEL: &[u8] = b"ferry pnet v1";
 const TOKEN_LABEL: &[u8] = b"ferry peer token v1";
 

@@ -38,7 +38,7 @@ const DISCARD_PARTIAL_AFTER: [Duration; 3] = [
 
 /// What a body needs to ask the next provider for the rest of a blob.
 #[derive(Clone)]
-pub struct Resume {
+pub(super) struct Resume {
     pub client: PeerClient,
     pub health: Arc<PeerHealth>,
     pub metrics: Arc<Metrics>,
@@ -74,7 +74,7 @@ impl Resume {
 
     /// Bytes that did not match were streamed to this node's containerd: drop its partial
     /// download of `digest`, so the next attempt starts from zero instead of on top of them.
-    pub fn discard_partial(&self, digest: &Digest) {
+    pub(super) fn discard_partial(&self, digest: &Digest) {
         let store = self.store.clone();
         let digest = digest.clone();
         let detected = std::time::SystemTime::now();
@@ -97,7 +97,7 @@ impl Resume {
 
 /// What is being transferred: `len` bytes from `start` of a blob of `total` bytes.
 #[derive(Debug, Clone)]
-pub struct Fetch {
+pub(super) struct Fetch {
     pub digest: Digest,
     pub start: u64,
     pub len: u64,
@@ -108,7 +108,7 @@ pub struct Fetch {
 
 impl Fetch {
     /// Reads the transfer's extent from a peer's 200 or 206 response.
-    pub fn from_response(response: &PeerResponse, digest: Digest) -> Option<Fetch> {
+    pub(super) fn from_response(response: &PeerResponse, digest: Digest) -> Option<Fetch> {
         let len = response.content_length()?;
         if response.status() == StatusCode::PARTIAL_CONTENT {
             let (start, end, total) =
@@ -134,7 +134,7 @@ impl Fetch {
 
 impl Fetch {
     /// The response headers for this transfer, whichever peers end up serving it.
-    pub fn response(&self, body: Body) -> Result<Response, axum::http::Error> {
+    pub(super) fn response(&self, body: Body) -> Result<Response, axum::http::Error> {
         let mut out = Response::builder()
             .status(if self.partial {
                 StatusCode::PARTIAL_CONTENT
@@ -160,14 +160,14 @@ impl Fetch {
 }
 
 /// `bytes a-b/total` -> (a, b, total).
-pub fn content_range(v: &str) -> Option<(u64, u64, u64)> {
+pub(super) fn content_range(v: &str) -> Option<(u64, u64, u64)> {
     let (range, total) = v.strip_prefix("bytes ")?.split_once('/')?;
     let (a, b) = range.split_once('-')?;
     let (a, b, total) = (a.parse().ok()?, b.parse().ok()?, total.parse().ok()?);
     (a <= b && b < total).then_some((a, b, total))
 }
 
-pub struct ResumingBody {
+pub(super) struct ResumingBody {
     fetch: Fetch,
     peer: Peer,
     current: BoxStream<'static, std::io::Result<Bytes>>,
@@ -179,7 +179,7 @@ pub struct ResumingBody {
 }
 
 impl ResumingBody {
-    pub fn new(
+    pub(super) fn new(
         fetch: Fetch,
         peer: Peer,
         first: BoxStream<'static, std::io::Result<Bytes>>,
@@ -198,7 +198,7 @@ impl ResumingBody {
         }
     }
 
-    pub fn into_stream(self) -> impl Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    pub(super) fn into_stream(self) -> impl Stream<Item = std::io::Result<Bytes>> + Send + 'static {
         futures::stream::unfold(Some(self), |state| async move {
             let mut body = state?;
             match body.next_chunk().await {

@@ -113,7 +113,7 @@ impl ResolveBound {
 
 /// Writes `times` to `path`, one number of microseconds a line, whole or not at all (a
 /// temporary file renamed over it).
-pub fn save(path: &Path, times: &[Duration]) -> std::io::Result<()> {
+pub(crate) fn save(path: &Path, times: &[Duration]) -> std::io::Result<()> {
     let text: String = times
         .iter()
         .map(|t| format!("{}\n", t.as_micros()))
@@ -128,7 +128,7 @@ pub fn save(path: &Path, times: &[Duration]) -> std::io::Result<()> {
 
 /// The times [`save`] wrote to `path`: none when there is no file. A line that is not a number
 /// is skipped and said (the file is Ferry's own; a damaged one costs only what it held).
-pub fn load(path: &Path) -> Vec<Duration> {
+pub(crate) fn load(path: &Path) -> Vec<Duration> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),

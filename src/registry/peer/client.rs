@@ -209,7 +209,7 @@ impl ClaimAnswer {
 }
 
 /// `<CLAIM_PATH><digest>?peer=<id>&addr=<addr>[&failed=<id>]`, as sent and as signed.
-pub fn claim_target(digest: &Digest, claimant: &Peer, failed: Option<&str>) -> String {
+pub(crate) fn claim_target(digest: &Digest, claimant: &Peer, failed: Option<&str>) -> String {
     let mut query = form_urlencoded::Serializer::new(String::new());
     query.append_pair("peer", &claimant.id);
     query.append_pair("addr", &claimant.addr.to_string());
@@ -220,7 +220,7 @@ pub fn claim_target(digest: &Digest, claimant: &Peer, failed: Option<&str>) -> S
 }
 
 /// `<path>?ns=<registry>` as sent, and as signed.
-pub fn path_and_query(path: &str, ns: Option<&str>) -> String {
+pub(crate) fn path_and_query(path: &str, ns: Option<&str>) -> String {
     match ns {
         Some(ns) => {
             let encoded: String = form_urlencoded::byte_serialize(ns.as_bytes()).collect();
@@ -231,7 +231,7 @@ pub fn path_and_query(path: &str, ns: Option<&str>) -> String {
 }
 
 /// Reads a body of at most `limit` bytes, each chunk within `idle`.
-pub async fn read_capped(
+pub(crate) async fn read_capped(
     response: PeerResponse,
     limit: u64,
     idle: Duration,

@@ -6,9 +6,9 @@ use std::time::Duration;
 use axum::http::StatusCode;
 
 /// A peer that just failed (unreachable, slow, cut off) is tried last for this long.
-pub const FAILED_PEER_BACKOFF: Duration = Duration::from_secs(30);
+pub(crate) const FAILED_PEER_BACKOFF: Duration = Duration::from_secs(30);
 /// A peer that served bytes not matching their digest is not asked at all for this long.
-pub const QUARANTINE: Duration = Duration::from_secs(600);
+pub(crate) const QUARANTINE: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PeerFailure {

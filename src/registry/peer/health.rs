@@ -10,14 +10,14 @@ use crate::metrics::{Metrics, StageLabels};
 use crate::routing::Peer;
 
 #[derive(Debug)]
-pub struct PeerHealth {
+pub(super) struct PeerHealth {
     metrics: Arc<Metrics>,
     /// Until when each peer is passed over, by peer ID.
     until: Mutex<HashMap<String, Instant>>,
 }
 
 impl PeerHealth {
-    pub fn new(metrics: Arc<Metrics>) -> PeerHealth {
+    pub(super) fn new(metrics: Arc<Metrics>) -> PeerHealth {
         PeerHealth {
             metrics,
             until: Mutex::new(HashMap::new()),
@@ -25,7 +25,7 @@ impl PeerHealth {
     }
 
     /// `peer` failed: counted, logged, and passed over for the failure's backoff.
-    pub fn failed(&self, peer: &Peer, failure: &PeerFailure) {
+    pub(super) fn failed(&self, peer: &Peer, failure: &PeerFailure) {
         let stage = failure.stage();
         tracing::warn!(peer = %peer.id, addr = %peer.addr, stage, reason = %failure, "peer fetch failed; trying the next provider");
         self.metrics
@@ -40,7 +40,7 @@ impl PeerHealth {
     }
 
     /// Quarantined (it served bytes that did not match) right now: not asked at all.
-    pub fn quarantined(&self, peer: &Peer) -> bool {
+    pub(super) fn quarantined(&self, peer: &Peer) -> bool {
         self.lock()
             .get(&peer.id)
             .is_some_and(|until| *until > Instant::now() + FAILED_PEER_BACKOFF)
@@ -48,7 +48,7 @@ impl PeerHealth {
 
     /// The peers passed over now: peer ID, how long still, and whether quarantined (it served
     /// bytes that did not match: not asked at all) rather than only tried last.
-    pub fn passed_over(&self) -> Vec<(String, Duration, bool)> {
+    pub(super) fn passed_over(&self) -> Vec<(String, Duration, bool)> {
         let now = Instant::now();
         let mut out: Vec<_> = self
             .lock()
@@ -64,7 +64,7 @@ impl PeerHealth {
     }
 
     /// `peers` with the ones that failed recently last.
-    pub fn order(&self, mut peers: Vec<Peer>) -> Vec<Peer> {
+    pub(super) fn order(&self, mut peers: Vec<Peer>) -> Vec<Peer> {
         let until = self.lock();
         let now = Instant::now();
         peers.sort_by_key(|p| until.get(&p.id).is_some_and(|t| *t > now));

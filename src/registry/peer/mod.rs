@@ -9,12 +9,12 @@
 //! a typed `PeerFailure`.
 
 mod body;
-pub mod bound;
-pub mod client;
-pub mod diagnostic_pull;
-pub mod failure;
+pub(crate) mod bound;
+pub(crate) mod client;
+pub(crate) mod diagnostic_pull;
+pub(crate) mod failure;
 mod health;
-pub mod response;
+pub(crate) mod response;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -15,17 +15,17 @@ use libp2p::core::upgrade::ReadyUpgrade;
 use libp2p::swarm::handler::{ConnectionEvent, FullyNegotiatedInbound, FullyNegotiatedOutbound};
 use libp2p::swarm::{ConnectionHandler, ConnectionHandlerEvent, SubstreamProtocol};
 
-pub const ANCHOR_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/anchor/1.0.0");
+pub(super) const ANCHOR_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/anchor/1.0.0");
 /// How often the holder pings: well inside the idle timeout of a plain connection, so that a
 /// dead peer is found long before anyone relies on it again.
-pub const PING_EVERY: Duration = Duration::from_secs(15);
+pub(super) const PING_EVERY: Duration = Duration::from_secs(15);
 /// A ping not answered within this closes the connection.
 const PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// The echoing side lets go of an anchor whose holder has not pinged for this long.
 const HOLDER_SILENT: Duration = Duration::from_secs(45);
 
 #[derive(Debug)]
-pub enum Command {
+pub(super) enum Command {
     /// Hold this connection.
     Hold,
     /// Let go of the anchor the peer holds on this connection.
@@ -33,7 +33,7 @@ pub enum Command {
 }
 
 #[derive(Debug)]
-pub enum Event {
+pub(super) enum Event {
     Held,
     /// The peer closed the anchor stream (or does not speak the protocol).
     Lost,
@@ -52,7 +52,7 @@ enum HoldEnd {
 }
 
 #[derive(Default)]
-pub struct Handler {
+pub(super) struct Handler {
     requested: bool,
     holding: Option<BoxFuture<'static, HoldEnd>>,
     echoing: Option<BoxFuture<'static, ()>>,

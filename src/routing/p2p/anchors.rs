@@ -25,14 +25,14 @@ use super::anchor_handler::{Command, Event, Handler};
 pub const ANCHORS: usize = 4;
 /// Anchors this node keeps for others: held at random, a node is asked by about [`ANCHORS`];
 /// four times that bounds an unlucky or long-lived node.
-pub const MAX_INBOUND: usize = 4 * ANCHORS;
+pub(super) const MAX_INBOUND: usize = 4 * ANCHORS;
 /// A peer that released an anchor (too many already, or an older Ferry without the protocol)
 /// is not asked again for this long.
 const REFUSED_FOR: Duration = Duration::from_secs(600);
 
 /// Which connections are held, and by whom: the decisions, apart from the sockets.
 #[derive(Debug)]
-pub struct Plan {
+pub(super) struct Plan {
     want: usize,
     max_inbound: usize,
     /// Open connections by peer.
@@ -47,7 +47,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn new(want: usize, max_inbound: usize) -> Self {
+    pub(super) fn new(want: usize, max_inbound: usize) -> Self {
         Plan {
             want,
             max_inbound,
@@ -61,20 +61,20 @@ impl Plan {
     }
 
     #[cfg(test)]
-    pub fn held(&self) -> usize {
+    pub(super) fn held(&self) -> usize {
         self.held.len()
     }
 
     /// Anchors this node holds (open, or asked for a moment ago) and holds for others.
-    pub fn counts(&self) -> (usize, usize) {
+    pub(super) fn counts(&self) -> (usize, usize) {
         (self.held.len(), self.inbound.len())
     }
 
-    pub fn connected(&mut self, peer: PeerId, connection: ConnectionId) {
+    pub(super) fn connected(&mut self, peer: PeerId, connection: ConnectionId) {
         self.connections.entry(peer).or_default().push(connection);
     }
 
-    pub fn closed(&mut self, peer: PeerId, connection: ConnectionId) {
+    pub(super) fn closed(&mut self, peer: PeerId, connection: ConnectionId) {
         if let Some(list) = self.connections.get_mut(&peer) {
             list.retain(|c| *c != connection);
             if list.is_empty() {
@@ -92,7 +92,7 @@ impl Plan {
     /// The next peer to hold, if this node holds fewer than it wants: a random connected
     /// peer it does not hold yet, preferring one that holds nothing on this node (an anchor
     /// each way on one connection would keep one socket for two).
-    pub fn next(&mut self, now: Instant) -> Option<(PeerId, ConnectionId)> {
+    pub(super) fn next(&mut self, now: Instant) -> Option<(PeerId, ConnectionId)> {
         if self.held.len() >= self.want {
             return None;
         }
@@ -116,14 +116,14 @@ impl Plan {
 
     /// The anchor on `peer` ended without the connection closing: it was released (or never
     /// taken); another peer is drawn.
-    pub fn lost(&mut self, peer: PeerId, now: Instant) {
+    pub(super) fn lost(&mut self, peer: PeerId, now: Instant) {
         self.held.remove(&peer);
         self.refused.insert(peer, now + REFUSED_FOR);
     }
 
     /// `peer` anchored on this node: false when this node holds enough for others already
     /// (the anchor is to be released).
-    pub fn anchored(&mut self, peer: PeerId, connection: ConnectionId) -> bool {
+    pub(super) fn anchored(&mut self, peer: PeerId, connection: ConnectionId) -> bool {
         if self.inbound.len() >= self.max_inbound && !self.inbound.contains_key(&peer) {
             return false;
         }
@@ -131,14 +131,14 @@ impl Plan {
         true
     }
 
-    pub fn unanchored(&mut self, peer: PeerId, connection: ConnectionId) {
+    pub(super) fn unanchored(&mut self, peer: PeerId, connection: ConnectionId) {
         if self.inbound.get(&peer) == Some(&connection) {
             self.inbound.remove(&peer);
         }
     }
 }
 
-pub struct Behaviour {
+pub(super) struct Behaviour {
     plan: Plan,
     actions: VecDeque<ToSwarm<Infallible, Command>>,
     /// Something changed (a connection, an anchor) since the plan was last asked: the swarm
@@ -148,7 +148,7 @@ pub struct Behaviour {
 }
 
 impl Behaviour {
-    pub fn new(want: usize, max_inbound: usize) -> Self {
+    pub(super) fn new(want: usize, max_inbound: usize) -> Self {
         Behaviour {
             plan: Plan::new(want, max_inbound),
             actions: VecDeque::new(),
@@ -158,7 +158,7 @@ impl Behaviour {
     }
 
     /// See [`Plan::counts`].
-    pub fn counts(&self) -> (usize, usize) {
+    pub(super) fn counts(&self) -> (usize, usize) {
         self.plan.counts()
     }
 

@@ -25,7 +25,7 @@ pub(crate) const MAX_ADDRESSES: usize = 8;
 /// The request: "I provide these keys; reach me at these addresses". The provider is the
 /// authenticated peer that sent it, never a field of the request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ProvideBatch {
+pub(super) struct ProvideBatch {
     pub keys: Vec<String>,
     pub addrs: Vec<String>,
 }
@@ -34,7 +34,7 @@ pub struct ProvideBatch {
 /// which keys (positions in the request) it dropped because they already have their 20
 /// providers without the sender (`rest.rs`). Absent from an older Ferry's answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ProvideAck {
+pub(super) struct ProvideAck {
     pub stored: u32,
     #[serde(default)]
     pub full: Vec<u32>,
@@ -96,29 +96,29 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    pub fn insert(&mut self, key: String) {
+    pub(super) fn insert(&mut self, key: String) {
         self.keys.insert(key_hash(&key), key);
     }
 
-    pub fn remove(&mut self, key: &str) {
+    pub(super) fn remove(&mut self, key: &str) {
         self.keys.remove(&key_hash(key));
     }
 
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.keys.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
 
-    pub fn key(&self, at: &Hash) -> Option<String> {
+    pub(super) fn key(&self, at: &Hash) -> Option<String> {
         self.keys.get(at).cloned()
     }
 
     /// A key to walk to: the first at or after `at` (a random point, so walks started together
     /// go to different regions), else the first.
-    pub fn pick(&self, at: Hash) -> Option<Hash> {
+    pub(super) fn pick(&self, at: Hash) -> Option<Hash> {
         self.keys
             .range(at..)
             .next()
@@ -131,7 +131,7 @@ impl Pending {
     /// the pending keys the walk covers out of the queue and says which node stores which:
     /// each key goes to the `replicas` found nodes closest to it. A walk that found nobody
     /// decides nothing: the keys wait for a walk that finds someone.
-    pub fn plan(
+    pub(super) fn plan(
         &mut self,
         target: &Hash,
         found: &[PeerId],

@@ -69,7 +69,7 @@ pub(crate) struct Announcer {
 }
 
 impl Announcer {
-    pub fn new(timing: ProvideTiming, metrics: Arc<Metrics>) -> Self {
+    pub(super) fn new(timing: ProvideTiming, metrics: Arc<Metrics>) -> Self {
         let random = RandomState::new();
         let next_round = Instant::now() + round_wait(&timing, &random, 0);
         Announcer {
@@ -89,13 +89,13 @@ impl Announcer {
         }
     }
 
-    pub fn interval(&self) -> std::time::Duration {
+    pub(super) fn interval(&self) -> std::time::Duration {
         self.timing.interval
     }
 
     /// This node provides `keys` from now: its own store answers for them at once, and other
     /// nodes learn them with the next walks.
-    pub fn advertise(
+    pub(super) fn advertise(
         &mut self,
         swarm: &mut Swarm<Behaviour>,
         keys: Vec<String>,
@@ -116,7 +116,7 @@ impl Announcer {
     }
 
     /// Stops announcing `keys`. Records already on other nodes lapse with their TTL.
-    pub fn withdraw(&mut self, swarm: &mut Swarm<Behaviour>, keys: Vec<String>) {
+    pub(super) fn withdraw(&mut self, swarm: &mut Swarm<Behaviour>, keys: Vec<String>) {
         let kad = &mut swarm.behaviour_mut().kad;
         for key in keys {
             self.pending.remove(&key);
@@ -129,7 +129,7 @@ impl Announcer {
 
     /// Starts a round when one is due (or the network has grown enough that the last
     /// round's records are on the wrong nodes: `growth.rs`), then whatever can start.
-    pub fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
+    pub(super) fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
         if now >= self.next_round || self.grown(swarm, now) {
             self.growth.round_started();
             let mut rested = 0;
@@ -176,7 +176,7 @@ impl Announcer {
     }
 
     /// Starts walks for pending keys and sends planned batches, up to the bounds.
-    pub fn progress(&mut self, swarm: &mut Swarm<Behaviour>) {
+    pub(super) fn progress(&mut self, swarm: &mut Swarm<Behaviour>) {
         let backing_off = self.walk_after.is_some_and(|t| Instant::now() < t);
         if swarm.connected_peers().next().is_some() && !backing_off {
             while self.walks.len() < MAX_WALKS_IN_FLIGHT && !self.start_walk(swarm) {}
@@ -215,7 +215,7 @@ impl Announcer {
 
     /// A closest-peers query ended (`complete`: it converged, not timed out); false when it
     /// was not one of ours.
-    pub fn on_walk(
+    pub(super) fn on_walk(
         &mut self,
         swarm: &mut Swarm<Behaviour>,
         id: QueryId,
@@ -293,7 +293,7 @@ impl Announcer {
     }
 
     /// A batch request or answer.
-    pub fn on_provide_event(&mut self, swarm: &mut Swarm<Behaviour>, event: ProvideEvent) {
+    pub(super) fn on_provide_event(&mut self, swarm: &mut Swarm<Behaviour>, event: ProvideEvent) {
         match event {
             request_response::Event::Message {
                 peer,

@@ -15,11 +15,11 @@ use super::announce_plan::{ProvideAck, ProvideBatch};
 use super::store::ProviderStore;
 
 /// Kademlia protocol name: private, so Ferry's DHT never mixes with IPFS or other networks.
-pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
+pub(super) const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
 /// Identify protocol version; peers speaking another are not added to the DHT.
-pub const IDENTIFY_PROTOCOL: &str = "/ferry/id/1.0.0";
+pub(super) const IDENTIFY_PROTOCOL: &str = "/ferry/id/1.0.0";
 /// Batched provider records (`announce_plan.rs`), next to Kademlia.
-pub const PROVIDE_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/provide/1.0.0");
+pub(super) const PROVIDE_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/provide/1.0.0");
 /// A batch is at most 1,000 keys of at most 512 bytes (JSON-escaped, so twice that at worst).
 const PROVIDE_REQUEST_MAX: u64 = 1_200_000;
 /// Prefix of the identify agent version, followed by the node's HTTP peer address.
@@ -34,7 +34,7 @@ const PEER_ADDR_MARK: &str = " peer-addr=";
 /// `a_node_that_stops_answering_does_not_stop_announcement_walks_converging`). A longer bound
 /// (20 s) was tried: it did not make walks under the scale simulation's overload converge
 /// (5 of 18 per node timed out either way) and made its rounds longer.
-pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Keys with provider records in this node's store, its own and other nodes': a node serves
 /// every digest of every image it holds, and 10,000 is common on a busy node.
 const MAX_PROVIDED_KEYS: usize = 1_000_000;
@@ -42,7 +42,7 @@ const MAX_PROVIDED_KEYS: usize = 1_000_000;
 const PARALLELISM: usize = 5;
 
 #[derive(NetworkBehaviour)]
-pub struct Behaviour {
+pub(super) struct Behaviour {
     pub kad: kad::Behaviour<ProviderStore>,
     pub identify: identify::Behaviour,
     pub provide: request_response::json::Behaviour<ProvideBatch, ProvideAck>,
@@ -64,7 +64,7 @@ pub struct ProvideTiming {
 pub const REPLICAS: usize = 20;
 
 impl Behaviour {
-    pub fn new(key: &Keypair, peer_http_addr: SocketAddr, timing: ProvideTiming) -> Self {
+    pub(super) fn new(key: &Keypair, peer_http_addr: SocketAddr, timing: ProvideTiming) -> Self {
         let peer_id = key.public().to_peer_id();
         let mut config = kad::Config::new(KAD_PROTOCOL);
         config

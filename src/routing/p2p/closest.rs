@@ -25,14 +25,14 @@ const CLOSEST_KEPT: usize = 4096;
 
 /// Who coordinates a key, as the walk found it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Coordinator {
+pub(super) enum Coordinator {
     Me,
     Other(PeerId),
 }
 
 /// Walks by key, and the coordinators of keys walked lately (`Q`: the walk's query ID).
 #[derive(Debug)]
-pub struct Closest<Q = QueryId> {
+pub(super) struct Closest<Q = QueryId> {
     me: PeerId,
     /// Provider walks still running, by query: the key they walk for.
     walking: HashMap<Q, String>,
@@ -40,7 +40,7 @@ pub struct Closest<Q = QueryId> {
 }
 
 impl<Q: Hash + Eq> Closest<Q> {
-    pub fn new(me: PeerId) -> Self {
+    pub(super) fn new(me: PeerId) -> Self {
         Closest {
             me,
             walking: HashMap::new(),
@@ -49,24 +49,29 @@ impl<Q: Hash + Eq> Closest<Q> {
     }
 
     /// A walk for `key` started (a provider lookup, or a walk for the coordinator).
-    pub fn walking(&mut self, id: Q, key: String) {
+    pub(super) fn walking(&mut self, id: Q, key: String) {
         self.walking.insert(id, key);
     }
 
     /// Whether a walk for `key` is running (a coordinator asked for then waits for its end).
-    pub fn is_walking(&self, key: &str) -> bool {
+    pub(super) fn is_walking(&self, key: &str) -> bool {
         self.walking.values().any(|k| k == key)
     }
 
     /// The walk was cut short (its answer was no longer wanted): the nodes it reached are
     /// not the closest, and must not stand for the key.
-    pub fn abandoned(&mut self, id: &Q) -> Option<String> {
+    pub(super) fn abandoned(&mut self, id: &Q) -> Option<String> {
         self.walking.remove(id)
     }
 
     /// A walk ended; `peers` are the closest nodes that answered it when it ran to its end
     /// (`None`: it did not, and proves nothing). Returns the key it walked for.
-    pub fn walked(&mut self, id: &Q, peers: Option<&[PeerId]>, now: Instant) -> Option<String> {
+    pub(super) fn walked(
+        &mut self,
+        id: &Q,
+        peers: Option<&[PeerId]>,
+        now: Instant,
+    ) -> Option<String> {
         let key = self.walking.remove(id)?;
         if let Some(peers) = peers {
             let coordinator = self.closest_of(&key, peers);
@@ -83,13 +88,13 @@ impl<Q: Hash + Eq> Closest<Q> {
     }
 
     /// The coordinator of `key` from a walk that ended lately, if there is one.
-    pub fn coordinator(&self, key: &str, now: Instant) -> Option<Coordinator> {
+    pub(super) fn coordinator(&self, key: &str, now: Instant) -> Option<Coordinator> {
         let (at, coordinator) = self.found.get(key)?;
         (now.duration_since(*at) < CLOSEST_FRESH).then_some(*coordinator)
     }
 
     /// Of `peers` and this node, the one closest to `key`.
-    pub fn closest_of(&self, key: &str, peers: &[PeerId]) -> Coordinator {
+    pub(super) fn closest_of(&self, key: &str, peers: &[PeerId]) -> Coordinator {
         let target = KBucketKey::new(RecordKey::new(&key));
         let distance = |p: &PeerId| KBucketKey::from(*p).distance(&target);
         match peers.iter().min_by_key(|p| distance(p)) {

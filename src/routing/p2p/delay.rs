@@ -28,7 +28,7 @@ thread_local! {
 
 /// A stream whose received bytes become readable `delay` after they arrived.
 #[derive(Debug)]
-pub struct Delayed<S> {
+pub(super) struct Delayed<S> {
     inner: S,
     delay: Duration,
     held: VecDeque<(Instant, Vec<u8>)>,
@@ -40,7 +40,7 @@ pub struct Delayed<S> {
 }
 
 impl<S> Delayed<S> {
-    pub fn new(inner: S, delay: Duration) -> Self {
+    pub(super) fn new(inner: S, delay: Duration) -> Self {
         Delayed {
             inner,
             delay,

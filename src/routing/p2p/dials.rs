@@ -17,7 +17,7 @@ pub const DEFAULT_BOOTSTRAP_DIALS: usize = 3;
 /// Which bootstrap addresses to dial, and the dials still in flight (a node whose dials hang
 /// does not open more each time it looks again).
 #[derive(Debug)]
-pub struct BootstrapDials {
+pub(super) struct BootstrapDials {
     limit: usize,
     /// This node's own address, as other nodes' lists name it.
     own: Option<Multiaddr>,
@@ -27,7 +27,7 @@ pub struct BootstrapDials {
 }
 
 impl BootstrapDials {
-    pub fn new(limit: usize, own: Option<Multiaddr>) -> Self {
+    pub(super) fn new(limit: usize, own: Option<Multiaddr>) -> Self {
         BootstrapDials {
             limit: limit.max(1),
             own,
@@ -40,7 +40,7 @@ impl BootstrapDials {
     /// Up to the limit, less the dials in flight, of `addrs` (this node's own address and
     /// duplicates left out), drawn anew each time: a node whose first picks are gone tries
     /// others on its next look.
-    pub fn pick(&mut self, mut addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
+    pub(super) fn pick(&mut self, mut addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
         addrs.sort();
         addrs.dedup();
         addrs.retain(|a| Some(a) != self.own.as_ref());
@@ -51,12 +51,12 @@ impl BootstrapDials {
         addrs
     }
 
-    pub fn started(&mut self, id: ConnectionId) {
+    pub(super) fn started(&mut self, id: ConnectionId) {
         self.in_flight.insert(id);
     }
 
     /// A connection was established or failed: if it was a bootstrap dial, it is over.
-    pub fn ended(&mut self, id: ConnectionId) {
+    pub(super) fn ended(&mut self, id: ConnectionId) {
         self.in_flight.remove(&id);
     }
 }

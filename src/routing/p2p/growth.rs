@@ -26,12 +26,12 @@ pub(crate) struct Growth {
 
 impl Growth {
     /// A round began: the size it ends at is the new baseline.
-    pub fn round_started(&mut self) {
+    pub(super) fn round_started(&mut self) {
         self.at_last_round = None;
     }
 
     /// No round runs: whether the size should be estimated now (at most every 10 s).
-    pub fn due(&mut self, now: Instant) -> bool {
+    pub(super) fn due(&mut self, now: Instant) -> bool {
         if self.next_check.is_some_and(|t| now < t) {
             return false;
         }
@@ -40,17 +40,17 @@ impl Growth {
     }
 
     /// The round's last answer came: `size` is the network its records went to.
-    pub fn round_ended(&mut self, size: f64) {
+    pub(super) fn round_ended(&mut self, size: f64) {
         self.at_last_round.get_or_insert(size);
     }
 
     /// The size now, with no round running; true when a round should start at once.
-    pub fn grown(&self, size: f64) -> bool {
+    pub(super) fn grown(&self, size: f64) -> bool {
         self.at_last_round
             .is_some_and(|before| size >= before * GROWTH_FACTOR)
     }
 
-    pub fn baseline(&self) -> Option<f64> {
+    pub(super) fn baseline(&self) -> Option<f64> {
         self.at_last_round
     }
 }

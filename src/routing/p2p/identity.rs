@@ -7,7 +7,7 @@ use std::path::Path;
 
 use libp2p::identity::Keypair;
 
-pub const KEY_FILE: &str = "node.key";
+pub(crate) const KEY_FILE: &str = "node.key";
 
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
@@ -22,7 +22,7 @@ pub enum IdentityError {
 }
 
 /// Loads the key from `<data_dir>/node.key`, creating it when missing.
-pub fn load_or_create(data_dir: &Path) -> Result<Keypair, IdentityError> {
+pub(crate) fn load_or_create(data_dir: &Path) -> Result<Keypair, IdentityError> {
     let path = data_dir.join(KEY_FILE);
     let shown = path.display().to_string();
     let io = |source| IdentityError::Io {

@@ -12,7 +12,7 @@ mod delay;
 mod dials;
 mod event_loop;
 mod growth;
-pub mod identity;
+pub(crate) mod identity;
 mod key_check;
 mod peer_addrs;
 mod rest;

@@ -17,27 +17,27 @@ use libp2p::PeerId;
 use crate::routing::Peer;
 
 #[derive(Debug)]
-pub struct PeerAddrs {
+pub(super) struct PeerAddrs {
     forget_after: Duration,
     known: HashMap<PeerId, (Peer, Instant)>,
 }
 
 impl PeerAddrs {
-    pub fn new(forget_after: Duration) -> Self {
+    pub(super) fn new(forget_after: Duration) -> Self {
         PeerAddrs {
             forget_after,
             known: HashMap::new(),
         }
     }
 
-    pub fn get(&self, id: &PeerId) -> Option<&Peer> {
+    pub(super) fn get(&self, id: &PeerId) -> Option<&Peer> {
         self.known.get(id).map(|(p, _)| p)
     }
 
     /// Identify said `id` serves at `addr`: the peer, its ID encoded once per peer (base58
     /// is slow: a profile of 300 simulated nodes had it at the top, 10% of the CPU, when it
     /// was encoded on every connection event).
-    pub fn heard(&mut self, id: PeerId, addr: SocketAddr, now: Instant) -> Peer {
+    pub(super) fn heard(&mut self, id: PeerId, addr: SocketAddr, now: Instant) -> Peer {
         match self.known.get_mut(&id) {
             Some((known, at)) if known.addr == addr => {
                 *at = now;
@@ -56,7 +56,11 @@ impl PeerAddrs {
 
     /// Forgets the nodes not heard of for `forget_after` that are not `connected`; returns
     /// how many.
-    pub fn forget_stale(&mut self, now: Instant, connected: impl Fn(&PeerId) -> bool) -> usize {
+    pub(super) fn forget_stale(
+        &mut self,
+        now: Instant,
+        connected: impl Fn(&PeerId) -> bool,
+    ) -> usize {
         let before = self.known.len();
         let forget_after = self.forget_after;
         self.known.retain(|id, (_, at)| {
@@ -65,7 +69,7 @@ impl PeerAddrs {
         before - self.known.len()
     }
 
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.known.len()
     }
 }

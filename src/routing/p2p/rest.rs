@@ -20,7 +20,7 @@ pub(crate) struct Resting {
 
 impl Resting {
     /// For keys stored on `replicas` nodes each.
-    pub fn new(replicas: usize) -> Self {
+    pub(super) fn new(replicas: usize) -> Self {
         Resting {
             to_rest: (replicas / 4).clamp(1, u8::MAX as usize) as u8,
             refusals: HashMap::new(),
@@ -29,7 +29,7 @@ impl Resting {
     }
 
     /// A storing node refused `key` as full. `draw` picks one or two rounds of rest.
-    pub fn refused(&mut self, key: &Arc<str>, draw: u64) {
+    pub(super) fn refused(&mut self, key: &Arc<str>, draw: u64) {
         let n = self.refusals.entry(key.clone()).or_default();
         *n = n.saturating_add(1);
         if *n == self.to_rest {
@@ -39,12 +39,12 @@ impl Resting {
 
     /// A round begins: true for a key to announce in it, false for one that rests. Call
     /// [`Resting::round_started`] once after asking for every key.
-    pub fn announce(&self, key: &str) -> bool {
+    pub(super) fn announce(&self, key: &str) -> bool {
         !self.rounds_left.contains_key(key)
     }
 
     /// Counts the round down for every resting key and starts counting refusals afresh.
-    pub fn round_started(&mut self) {
+    pub(super) fn round_started(&mut self) {
         self.rounds_left.retain(|_, n| {
             *n -= 1;
             *n > 0
@@ -53,14 +53,14 @@ impl Resting {
     }
 
     /// This node stopped providing `key`.
-    pub fn forget(&mut self, key: &str) {
+    pub(super) fn forget(&mut self, key: &str) {
         self.refusals.remove(key);
         self.rounds_left.remove(key);
     }
 
     /// Keys resting now.
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.rounds_left.len()
     }
 }

@@ -28,7 +28,7 @@ struct Provider {
 }
 
 #[derive(Debug)]
-pub struct ProviderStore {
+pub(super) struct ProviderStore {
     local: PeerId,
     max_keys: usize,
     /// Providers kept per key (Kademlia's k).
@@ -41,7 +41,7 @@ pub struct ProviderStore {
 
 impl ProviderStore {
     /// A store for `local`'s node that holds providers for at most `max_keys` keys.
-    pub fn new(local: PeerId, max_keys: usize) -> Self {
+    pub(super) fn new(local: PeerId, max_keys: usize) -> Self {
         ProviderStore {
             local,
             max_keys,
@@ -54,7 +54,7 @@ impl ProviderStore {
     }
 
     /// Keeps at most `slots` providers per key instead of Kademlia's default 20 (at least 1).
-    pub fn with_slots(mut self, slots: usize) -> Self {
+    pub(super) fn with_slots(mut self, slots: usize) -> Self {
         self.slots = slots.max(1);
         self
     }
@@ -65,7 +65,7 @@ impl ProviderStore {
     /// grows with every image the cluster ever held, and once `max_keys` is reached, new
     /// keys kept out). This node's own records are the announcer's (`announcer.rs`), which
     /// announces them again.
-    pub fn expire(&mut self, now: Instant) -> usize {
+    pub(super) fn expire(&mut self, now: Instant) -> usize {
         let local = self.number_of(&self.local);
         let mut released = Vec::new();
         let mut gone = 0;
@@ -93,7 +93,7 @@ impl ProviderStore {
     /// The addresses `id`'s records carry (none if it has no record here): to reach a
     /// provider this node holds a record of but has no connection to and Kademlia may not
     /// know (a node's routing table holds a few hundred of a thousand nodes).
-    pub fn addresses_of(&self, id: &PeerId) -> &[Multiaddr] {
+    pub(super) fn addresses_of(&self, id: &PeerId) -> &[Multiaddr] {
         self.number_of(id)
             .and_then(|n| self.peers.get(n as usize)?.as_ref())
             .map_or(&[], |p| p.addresses.as_slice())
@@ -283,7 +283,7 @@ impl ProviderStore {
     /// Would a record of `provider` for `key` be dropped because the key already has its 20
     /// providers, all with time left, and `provider` is not one of them? The announcer of
     /// such a key can rest it (`rest.rs`).
-    pub fn crowded(&self, key: &[u8], provider: &PeerId, now: Instant) -> bool {
+    pub(super) fn crowded(&self, key: &[u8], provider: &PeerId, now: Instant) -> bool {
         let Some(slots) = self.providers.get(key) else {
             return false;
         };

@@ -16,7 +16,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Builds the channel without touching the socket. Every call (re)connects on demand.
-pub fn lazy_unix_channel(socket: PathBuf) -> Channel {
+pub(super) fn lazy_unix_channel(socket: PathBuf) -> Channel {
     lazy_channel(socket, Some(CALL_TIMEOUT))
 }
 
@@ -24,7 +24,7 @@ pub fn lazy_unix_channel(socket: PathBuf) -> Channel {
 /// headers containerd 1.6 sends only with the first event, minutes or hours later. (Under
 /// [`CALL_TIMEOUT`] every subscription failed after 2 s on an idle node, and each retry
 /// walked the whole store: a full walk every 10 s instead of following events.)
-pub fn lazy_unix_channel_for_streams(socket: PathBuf) -> Channel {
+pub(super) fn lazy_unix_channel_for_streams(socket: PathBuf) -> Channel {
     lazy_channel(socket, None)
 }
 
