@@ -63,7 +63,8 @@ impl Node {
         Some(client)
     }
 
-    /// The peer client, starting from the lookup times an earlier run learnt. One that cannot
+    /// The peer client, starting from the lookup times an earlier run learnt (and the loop that
+    /// keeps them for the next run). One that cannot
     /// be built (it never happens in practice) leaves this node serving its own content, said
     /// loudly, rather than silently with default timeouts.
     pub(super) fn fetcher(

@@ -33,21 +33,24 @@ pub enum PeerMiss {
     NoProvider,
     #[error("a tag cannot be looked up without its registry (?ns=)")]
     NoRegistry,
-    #[error("{asked} node(s) asked, none has it any more")]
-    Gone { asked: usize },
-    #[error("{asked} node(s) asked, the last failed: {last}")]
-    Failed { asked: usize, last: PeerFailure },
+    #[error("{advertised} node(s) advertise it, none served it (gone, or quarantined)")]
+    Gone { advertised: usize },
+    #[error("{advertised} node(s) advertise it, the last asked failed: {last}")]
+    Failed {
+        advertised: usize,
+        last: PeerFailure,
+    },
     #[error("the answer could not be built")]
     Unbuildable,
 }
 
 impl PeerMiss {
-    /// The miss after asking `asked` providers, `last` the last failure among them.
-    pub fn after(asked: usize, last: Option<PeerFailure>) -> PeerMiss {
-        match (asked, last) {
+    /// The miss when `advertised` providers were found, `last` the last failure among them.
+    pub fn after(advertised: usize, last: Option<PeerFailure>) -> PeerMiss {
+        match (advertised, last) {
             (0, _) => PeerMiss::NoProvider,
-            (asked, Some(last)) => PeerMiss::Failed { asked, last },
-            (asked, None) => PeerMiss::Gone { asked },
+            (advertised, Some(last)) => PeerMiss::Failed { advertised, last },
+            (advertised, None) => PeerMiss::Gone { advertised },
         }
     }
 }

@@ -197,7 +197,7 @@ impl PeerFetcher {
     ) -> Result<Response, PeerMiss> {
         let path = format!("/v2/{}/blobs/{digest}", req.name);
         let method = if req.head { Method::HEAD } else { Method::GET };
-        let (mut asked, mut last) = (0, None);
+        let (advertised, mut last) = (providers.len(), None);
         let mut failed = |peer: &Peer, failure: PeerFailure| {
             self.health.failed(peer, &failure);
             last = Some(failure);
@@ -208,7 +208,6 @@ impl PeerFetcher {
             if self.health.quarantined(&peer) {
                 continue;
             }
-            asked += 1;
             let call = PeerCall {
                 method: &method,
                 path: &path,
@@ -270,7 +269,7 @@ impl PeerFetcher {
             let body = ResumingBody::new(fetch.clone(), peer.clone(), first, remaining, resume);
             return built(fetch.response(Body::from_stream(body.into_stream())));
         }
-        Err(PeerMiss::after(asked, last))
+        Err(PeerMiss::after(advertised, last))
     }
 
     /// The whole blob from `peer`, checked against its digest. `response` is used when it
@@ -349,9 +348,8 @@ impl PeerFetcher {
         follow: Option<Duration>,
     ) -> Result<Response, PeerMiss> {
         let path = format!("/v2/{}/manifests/{reference}", req.name);
-        let (mut asked, mut last) = (0, None);
+        let (advertised, mut last) = (providers.len(), None);
         for peer in providers {
-            asked += 1;
             match self
                 .fetch_manifest(&peer, &path, req.ns, &reference, follow)
                 .await
@@ -377,7 +375,7 @@ impl PeerFetcher {
                 }
             }
         }
-        Err(PeerMiss::after(asked, last))
+        Err(PeerMiss::after(advertised, last))
     }
 
     async fn fetch_manifest(
