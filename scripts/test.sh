@@ -32,13 +32,13 @@ cargo test --locked --doc
 # The cluster tests again against containerd 1.7 and 2.x (Debian's trixie and sid packages,
 # fetched and verified into target/tools by scripts/containerd-versions.sh; the machine's own
 # containerd, 1.6 on Debian 12, ran them above): ctr pulls, peer sharing, IPv6, tags, faults,
-# storms and the in-flight ingest they read.
+# storms, relays and the in-flight ingest they read.
 ensure_packages gpgv:gpgv xz:xz-utils /usr/share/keyrings/debian-archive-keyring.gpg:debian-archive-keyring
 versions=$(scripts/containerd-versions.sh)   # fails the run if they cannot be fetched
 while read -r version bin; do
     echo "==> cluster tests with containerd $version"
     PATH="$bin:$PATH" cargo test --locked --features system-tests --no-fail-fast \
         --test cluster_e2e --test cluster_tags --test cluster_faults --test cluster_storm \
-        --test containerd_e2e
+        --test cluster_relays --test containerd_e2e
 done <<< "$versions"
 echo "==> all tests passed"

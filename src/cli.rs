@@ -164,6 +164,10 @@ pub struct Flags {
     /// How long a follower waits for the leader's first byte [default: 3s]
     #[arg(long, global = true, env = "FERRY_FOLLOW_TIMEOUT", value_name = "DUR")]
     pub follow_timeout: Option<String>,
+    /// Followers one node streams a blob to at once; more followers relay to each other in a
+    /// tree. 0: every follower streams from the leader [default: 2]
+    #[arg(long, global = true, env = "FERRY_RELAY_FANOUT", value_name = "N")]
+    pub relay_fanout: Option<String>,
     /// Replaced by --resolve-tags; kept only to say so
     #[arg(long, global = true, hide = true, env = "FERRY_RESOLVE_LATEST")]
     pub resolve_latest: Option<String>,
@@ -300,6 +304,7 @@ impl Flags {
             ("resolve-tags", &self.resolve_tags),
             ("coalesce", &self.coalesce),
             ("follow-timeout", &self.follow_timeout),
+            ("relay-fanout", &self.relay_fanout),
             ("provide-ttl", &self.provide_ttl),
             ("reprovide-interval", &self.reprovide_interval),
             ("p2p", &self.p2p),

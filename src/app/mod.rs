@@ -177,7 +177,7 @@ pub async fn serve(
             metrics: node.metrics.clone(),
             secret: config.cluster_secret.clone(),
             exposed: exposed.clone(),
-            coalesce,
+            coalesce: coalesce.clone(),
             integrity: peers.as_ref().map(|p| {
                 let (store, metrics) = (node.store.clone(), node.metrics.clone());
                 Arc::new(Integrity::new(store, p.router.clone(), metrics))
@@ -194,6 +194,7 @@ pub async fn serve(
         peers: peers.as_ref().map(|p| p.router.clone()),
         fetcher,
         exposed: peers.as_ref().map(|_| exposed),
+        coalesce,
         debug_page: config.debug_page,
         node: config.kubernetes.node_name.clone(),
     };

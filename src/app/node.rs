@@ -10,7 +10,7 @@ use tokio_util::task::TaskTracker;
 
 use super::SHUTDOWN_GRACE;
 use super::setup::Peers;
-use crate::coalesce::{CoalesceConfig, Coalescer};
+use crate::coalesce::Coalescer;
 use crate::config::Config;
 use crate::kubernetes::{self, taint::TaintConfig};
 use crate::metrics::Metrics;
@@ -104,9 +104,7 @@ impl Node {
         fetcher: Option<&Arc<PeerFetcher>>,
     ) -> Option<Arc<Coalescer>> {
         let (peers, fetcher) = (peers?, fetcher?);
-        let config = CoalesceConfig {
-            follow_timeout: peers.coalesce?,
-        };
+        let config = peers.coalesce.clone()?;
         let (store, metrics) = (self.store.clone(), self.metrics.clone());
         let claims = fetcher.clone();
         Some(Arc::new(Coalescer::new(

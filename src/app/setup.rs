@@ -3,12 +3,12 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::coalesce::CoalesceConfig;
 use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap};
 use crate::metrics::Metrics;
@@ -42,8 +42,8 @@ pub enum Peering {
         router: Arc<dyn ContentRouting>,
         fetch: PeerFetchConfig,
         tags: ResolveTags,
-        /// `Some(follow timeout)`: coordinate simultaneous misses.
-        coalesce: Option<Duration>,
+        /// `Some`: coordinate simultaneous misses.
+        coalesce: Option<CoalesceConfig>,
         sync: SyncConfig,
     },
 }
@@ -70,7 +70,7 @@ pub struct PeerSetup {
     pub bootstrap_configured: bool,
     pub fetch: PeerFetchConfig,
     pub tags: ResolveTags,
-    pub coalesce: Option<Duration>,
+    pub coalesce: Option<CoalesceConfig>,
     pub sync: SyncConfig,
 }
 
@@ -149,7 +149,10 @@ impl PeerSetup {
                 zero_copy: settings.zero_copy,
             },
             tags: settings.resolve_tags,
-            coalesce: settings.coalesce,
+            coalesce: settings.coalesce.map(|follow_timeout| CoalesceConfig {
+                follow_timeout,
+                relay_fanout: settings.relay_fanout,
+            }),
             sync: SyncConfig {
                 registries: config.registries.clone(),
                 filters: config.registry_filters.clone(),
@@ -218,8 +221,8 @@ pub(super) struct Peers {
     pub router: Arc<dyn ContentRouting>,
     pub fetch: PeerFetchConfig,
     pub tags: ResolveTags,
-    /// `Some(follow timeout)`: coordinate simultaneous misses.
-    pub coalesce: Option<Duration>,
+    /// `Some`: coordinate simultaneous misses.
+    pub coalesce: Option<CoalesceConfig>,
     pub sync: SyncConfig,
 }
 

@@ -1,5 +1,8 @@
-//! The coordinator's side: for each digest it coordinates, who leads its download. One owner
-//! (this table, behind its handle); pure logic over an injected clock, tested directly.
+//! The coordinator's side: for each digest it coordinates, who leads its download and whom
+//! each follower streams it from. A tree per digest (`docs/design/relays.md`): every later
+//! claimant is attached to the shallowest live member with a free slot, so no member streams
+//! a blob to more than `fanout` followers. One owner (this table); pure logic over an
+//! injected clock, tested directly.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -12,26 +15,62 @@ use crate::routing::Peer;
 /// second leader (a second upstream fetch, never a failure); a leader that dies earlier is
 /// replaced as soon as a follower reports it.
 pub(crate) const LEASE: Duration = Duration::from_secs(600);
-/// At most this many leases are kept (about 100 bytes each); beyond it the oldest go.
+/// At most this many leases are kept; beyond it the oldest go.
 const MAX_LEASES: usize = 100_000;
+/// Members of one digest's tree that may be sources; later claimants follow one of them
+/// without becoming a source themselves (the table's memory stays bounded).
+const MAX_MEMBERS: usize = 4_096;
 
 /// What a claim got.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Grant {
     /// The claimant leads: its containerd fetches from upstream.
     Lead,
-    /// Someone else leads: stream from its peer address.
-    Follow(Peer),
+    /// Stream from `source`: the leader, or a follower relaying its own download. The
+    /// leader is named too: a follower whose source and coordinator both die follows it.
+    Follow { source: Peer, leader: Peer },
 }
 
-#[derive(Debug, Default)]
+/// One digest's download: the leader is `members[0]` until it is replaced.
+#[derive(Debug)]
+struct Tree {
+    granted: Instant,
+    leader: usize,
+    members: Vec<Member>,
+}
+
+#[derive(Debug)]
+struct Member {
+    peer: Peer,
+    parent: Option<usize>,
+    depth: usize,
+    children: usize,
+    alive: bool,
+}
+
+#[derive(Debug)]
 pub(crate) struct Leases {
-    table: Mutex<HashMap<Digest, (Peer, Instant)>>,
+    /// Followers one member may stream a blob to; 0: all follow the leader (no relays).
+    fanout: usize,
+    table: Mutex<HashMap<Digest, Tree>>,
+}
+
+impl Default for Leases {
+    fn default() -> Leases {
+        Leases::new(0)
+    }
 }
 
 impl Leases {
-    /// `claimant` asks who leads `digest`, and reports `failed` (a leader it could not
-    /// follow), if any. The first claimant leads until its lease ends or it is reported.
+    pub(crate) fn new(fanout: usize) -> Leases {
+        Leases {
+            fanout,
+            table: Mutex::default(),
+        }
+    }
+
+    /// `claimant` asks whom to stream `digest` from, and reports `failed` (a source it could
+    /// not follow), if any. The first claimant leads until its lease ends or it is reported.
     pub(crate) fn claim(
         &self,
         digest: &Digest,
@@ -40,31 +79,169 @@ impl Leases {
         now: Instant,
     ) -> Grant {
         let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((leader, granted)) = table.get(digest) {
-            let live = now.saturating_duration_since(*granted) < LEASE;
-            let reported = failed.is_some_and(|f| f == leader.id);
-            if live && !reported {
-                if leader.id == claimant.id {
-                    return Grant::Lead;
-                }
-                return Grant::Follow(leader.clone());
+        if let Some(tree) = table.get_mut(digest)
+            && now.saturating_duration_since(tree.granted) < LEASE
+        {
+            if let Some(failed) = failed {
+                tree.failed(failed);
             }
-        }
-        if table.len() >= MAX_LEASES {
-            table.retain(|_, (_, granted)| now.saturating_duration_since(*granted) < LEASE);
-            if table.len() >= MAX_LEASES {
-                // Still full of live leases: forget the oldest rather than refuse.
-                if let Some(oldest) = table
-                    .iter()
-                    .min_by_key(|(_, (_, g))| *g)
-                    .map(|(d, _)| d.clone())
-                {
-                    table.remove(&oldest);
-                }
+            if tree.members[tree.leader].alive {
+                return tree.attach(claimant, self.fanout);
             }
+            // The leader was reported: the claimant leads, keeping its own followers.
+            tree.promote(claimant, now);
+            return Grant::Lead;
         }
-        table.insert(digest.clone(), (claimant.clone(), now));
+        make_room(&mut table, now);
+        table.insert(digest.clone(), Tree::new(claimant, now));
         Grant::Lead
+    }
+}
+
+/// Drops expired leases, then the oldest, to keep the table within [`MAX_LEASES`].
+fn make_room(table: &mut HashMap<Digest, Tree>, now: Instant) {
+    if table.len() < MAX_LEASES {
+        return;
+    }
+    table.retain(|_, t| now.saturating_duration_since(t.granted) < LEASE);
+    if table.len() >= MAX_LEASES
+        && let Some(oldest) = table
+            .iter()
+            .min_by_key(|(_, t)| t.granted)
+            .map(|(d, _)| d.clone())
+    {
+        table.remove(&oldest);
+    }
+}
+
+impl Tree {
+    fn new(leader: &Peer, now: Instant) -> Tree {
+        Tree {
+            granted: now,
+            leader: 0,
+            members: vec![Member::new(leader.clone(), None, 0)],
+        }
+    }
+
+    fn find(&self, id: &str) -> Option<usize> {
+        self.members.iter().position(|m| m.peer.id == id)
+    }
+
+    /// A member that could not be followed: no one is sent to it again.
+    fn failed(&mut self, id: &str) {
+        if let Some(i) = self.find(id)
+            && self.members[i].alive
+        {
+            self.members[i].alive = false;
+            // It streams to no one now, and from no one.
+            if let Some(p) = self.members[i].parent {
+                self.members[p].children = self.members[p].children.saturating_sub(1);
+            }
+        }
+    }
+
+    /// The claimant's source: the one it has, while alive; else the shallowest live member
+    /// with a free slot outside the claimant's own subtree (which waits for the claimant).
+    fn attach(&mut self, claimant: &Peer, fanout: usize) -> Grant {
+        let me = self.find(&claimant.id);
+        if me == Some(self.leader) {
+            return Grant::Lead;
+        }
+        if let Some(me) = me {
+            self.members[me].alive = true;
+            if let Some(parent) = self.members[me].parent
+                && self.members[parent].alive
+            {
+                return self.follow(parent);
+            }
+        }
+        let source = if fanout == 0 {
+            self.leader
+        } else {
+            self.roomiest(me, fanout)
+        };
+        let depth = self.members[source].depth + 1;
+        match me {
+            Some(me) => {
+                let member = &mut self.members[me];
+                member.parent = Some(source);
+                member.depth = depth;
+            }
+            None if self.members.len() < MAX_MEMBERS => {
+                self.members
+                    .push(Member::new(claimant.clone(), Some(source), depth));
+            }
+            // Not recorded: it follows without becoming a source.
+            None => {}
+        }
+        self.members[source].children += 1;
+        self.follow(source)
+    }
+
+    fn follow(&self, source: usize) -> Grant {
+        Grant::Follow {
+            source: self.members[source].peer.clone(),
+            leader: self.members[self.leader].peer.clone(),
+        }
+    }
+
+    /// The shallowest live member with fewer than `fanout` children, not in `me`'s subtree
+    /// (ties: the earliest to join). Every member adds `fanout` slots, so there is one unless
+    /// every member has died or is under `me`: then the leader, beyond its fanout.
+    fn roomiest(&self, me: Option<usize>, fanout: usize) -> usize {
+        (0..self.members.len())
+            .filter(|&i| {
+                let m = &self.members[i];
+                m.alive && m.children < fanout && !me.is_some_and(|me| self.descends(i, me))
+            })
+            .min_by_key(|&i| (self.members[i].depth, i))
+            .unwrap_or(self.leader)
+    }
+
+    /// Whether `i` is `ancestor` or below it.
+    fn descends(&self, mut i: usize, ancestor: usize) -> bool {
+        // Parent links form a tree, but a bound keeps a bug from looping forever.
+        for _ in 0..=self.members.len() {
+            if i == ancestor {
+                return true;
+            }
+            match self.members[i].parent {
+                Some(p) => i = p,
+                None => return false,
+            }
+        }
+        false
+    }
+
+    /// `claimant` leads from now on: its containerd fetches what it lacks from upstream.
+    fn promote(&mut self, claimant: &Peer, now: Instant) {
+        let me = match self.find(&claimant.id) {
+            Some(me) => me,
+            None => {
+                self.members.push(Member::new(claimant.clone(), None, 0));
+                self.members.len() - 1
+            }
+        };
+        if let Some(p) = self.members[me].parent.take() {
+            self.members[p].children = self.members[p].children.saturating_sub(1);
+        }
+        let member = &mut self.members[me];
+        member.depth = 0;
+        member.alive = true;
+        self.leader = me;
+        self.granted = now;
+    }
+}
+
+impl Member {
+    fn new(peer: Peer, parent: Option<usize>, depth: usize) -> Member {
+        Member {
+            peer,
+            parent,
+            depth,
+            children: 0,
+            alive: true,
+        }
     }
 }
 
@@ -79,25 +256,27 @@ mod tests {
         }
     }
 
+    /// Whom a grant says to stream from: `lead`, or the source's ID.
+    fn src(grant: Grant) -> String {
+        match grant {
+            Grant::Lead => "lead".into(),
+            Grant::Follow { source, .. } => source.id,
+        }
+    }
+
     #[test]
     fn the_first_claimant_leads_and_the_others_follow_it() {
         let leases = Leases::default();
         let d = Digest::sha256_of(b"layer");
         let t = Instant::now();
-        assert_eq!(leases.claim(&d, &peer("a"), None, t), Grant::Lead);
-        assert_eq!(
-            leases.claim(&d, &peer("b"), None, t),
-            Grant::Follow(peer("a"))
-        );
-        assert_eq!(
-            leases.claim(&d, &peer("c"), None, t),
-            Grant::Follow(peer("a"))
-        );
+        assert_eq!(src(leases.claim(&d, &peer("a"), None, t)), "lead");
+        assert_eq!(src(leases.claim(&d, &peer("b"), None, t)), "a");
+        assert_eq!(src(leases.claim(&d, &peer("c"), None, t)), "a");
         // The leader asking again (a retry of its own) still leads.
-        assert_eq!(leases.claim(&d, &peer("a"), None, t), Grant::Lead);
+        assert_eq!(src(leases.claim(&d, &peer("a"), None, t)), "lead");
         // Another digest has its own leader.
         let other = Digest::sha256_of(b"other layer");
-        assert_eq!(leases.claim(&other, &peer("c"), None, t), Grant::Lead);
+        assert_eq!(src(leases.claim(&other, &peer("c"), None, t)), "lead");
     }
 
     #[test]
@@ -107,16 +286,86 @@ mod tests {
         let t = Instant::now();
         leases.claim(&d, &peer("a"), None, t);
         // A report about someone else changes nothing.
-        assert_eq!(
-            leases.claim(&d, &peer("b"), Some("z"), t),
-            Grant::Follow(peer("a"))
-        );
-        assert_eq!(leases.claim(&d, &peer("b"), Some("a"), t), Grant::Lead);
-        assert_eq!(
-            leases.claim(&d, &peer("c"), None, t),
-            Grant::Follow(peer("b"))
-        );
+        assert_eq!(src(leases.claim(&d, &peer("b"), Some("z"), t)), "a");
+        assert_eq!(src(leases.claim(&d, &peer("b"), Some("a"), t)), "lead");
+        assert_eq!(src(leases.claim(&d, &peer("c"), None, t)), "b");
         let later = t + LEASE + Duration::from_secs(1);
-        assert_eq!(leases.claim(&d, &peer("c"), None, later), Grant::Lead);
+        assert_eq!(src(leases.claim(&d, &peer("c"), None, later)), "lead");
+    }
+
+    /// Claims of nodes `1..=n` after `0` leads; the source each got, by node.
+    fn storm(leases: &Leases, d: &Digest, n: usize, t: Instant) -> Vec<String> {
+        assert_eq!(src(leases.claim(d, &peer("0"), None, t)), "lead");
+        (1..=n)
+            .map(|i| match leases.claim(d, &peer(&i.to_string()), None, t) {
+                Grant::Follow { source, leader } => {
+                    assert_eq!(leader.id, "0");
+                    source.id
+                }
+                Grant::Lead => panic!("{i} leads"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn followers_fill_the_tree_breadth_first_and_no_member_exceeds_the_fanout() {
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        let sources = storm(&Leases::new(2), &d, 6, t);
+        // 0 feeds 1 and 2; 1 feeds 3 and 4; 2 feeds 5 and 6.
+        assert_eq!(sources, ["0", "0", "1", "1", "2", "2"]);
+
+        let chain = storm(&Leases::new(1), &d, 4, t);
+        assert_eq!(chain, ["0", "1", "2", "3"]);
+
+        let many = storm(&Leases::new(3), &d, 1_000, t);
+        let mut per_source = HashMap::new();
+        for s in &many {
+            *per_source.entry(s.as_str()).or_insert(0) += 1;
+        }
+        assert!(per_source.values().all(|n| *n <= 3), "{per_source:?}");
+
+        let flat = storm(&Leases::new(0), &d, 5, t);
+        assert!(flat.iter().all(|s| s == "0"), "fanout 0 is no relays");
+    }
+
+    #[test]
+    fn a_dead_relays_followers_reattach_outside_their_own_subtree() {
+        let leases = Leases::new(1);
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        // A chain: 0 <- 1 <- 2 <- 3 <- 4.
+        storm(&leases, &d, 4, t);
+        // 1 dies; 2 reports it and must not be sent to 3 or 4 (they wait for 2): the slot
+        // 1 had at the leader is free.
+        assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), t)), "0");
+        let leases = Leases::new(2);
+        storm(&leases, &d, 6, t);
+        // 1 (feeding 3 and 4) dies: 3 takes its slot at the leader, 4 the next free one.
+        assert_eq!(src(leases.claim(&d, &peer("3"), Some("1"), t)), "0");
+        assert_eq!(src(leases.claim(&d, &peer("4"), Some("1"), t)), "3");
+        // A retry of 3 without a report keeps its new source.
+        assert_eq!(src(leases.claim(&d, &peer("3"), None, t)), "0");
+        // A new claimant is never sent to the dead relay.
+        assert_ne!(src(leases.claim(&d, &peer("7"), None, t)), "1");
+    }
+
+    #[test]
+    fn a_dead_leaders_first_reporter_leads_and_keeps_its_followers() {
+        let leases = Leases::new(2);
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        storm(&leases, &d, 6, t);
+        assert_eq!(src(leases.claim(&d, &peer("1"), Some("0"), t)), "lead");
+        // 2, the leader's other child, reports it too: attached (1 is full: 3 and 4), not a
+        // second leader.
+        assert_eq!(src(leases.claim(&d, &peer("2"), Some("0"), t)), "3");
+        // 3 and 4 still follow 1, now the leader.
+        assert_eq!(src(leases.claim(&d, &peer("3"), None, t)), "1");
+        // The dead leader coming back follows too.
+        assert!(matches!(
+            leases.claim(&d, &peer("0"), None, t),
+            Grant::Follow { leader, .. } if leader.id == "1"
+        ));
     }
 }

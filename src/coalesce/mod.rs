@@ -39,6 +39,40 @@ pub struct CoalesceConfig {
     /// How long a follower waits for the leader's first byte, and a leader for its own
     /// containerd's download to start.
     pub follow_timeout: Duration,
+    /// Followers one node streams a blob to at once; beyond, followers relay to each other
+    /// (`leases.rs`). 0: every follower streams from the leader.
+    pub relay_fanout: usize,
+}
+
+/// This node's part in one digest's download.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Its containerd fetches from upstream.
+    Lead,
+    /// It streams from this peer (the leader or a relay), and relays to its own followers.
+    Follow(Peer),
+}
+
+#[derive(Debug)]
+struct Part {
+    role: Role,
+    /// The leader, as the coordinator named it when this node follows.
+    leader: Option<Peer>,
+    since: Instant,
+    /// Peer IDs streaming from this node now, with how many streams each.
+    followers: HashMap<String, usize>,
+}
+
+/// One digest in flight, as `ferry status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InFlightPart {
+    pub digest: String,
+    /// `leader`, `relay` (a follower with followers) or `follower`.
+    pub role: String,
+    /// The peer this node streams from (none for a leader).
+    pub source: Option<String>,
+    pub followers: Vec<String>,
+    pub age_s: u64,
 }
 
 /// What a claim decided for one miss.
@@ -60,9 +94,9 @@ pub struct Coalescer {
     config: CoalesceConfig,
     metrics: Arc<Metrics>,
     leases: Leases,
-    /// Digests this node's containerd is fetching from upstream as a leader, with the
-    /// `(registry, repository)` it asked for: served in flight to followers while recorded.
-    leading: Mutex<HashMap<Digest, (String, String, Instant)>>,
+    /// This node's part in each download it leads or follows: served in flight to the
+    /// followers sent here while recorded.
+    parts: Mutex<HashMap<Digest, Part>>,
     claims: Arc<dyn ClaimSender>,
     /// What this node's containerd is being sent now (coalescing within the node).
     transfers: Arc<Transfers>,
@@ -96,13 +130,14 @@ impl Coalescer {
         metrics: Arc<Metrics>,
         claims: Arc<dyn ClaimSender>,
     ) -> Coalescer {
+        let relay_fanout = config.relay_fanout;
         Coalescer {
             router,
             store,
             config,
             metrics,
-            leases: Leases::default(),
-            leading: Mutex::new(HashMap::new()),
+            leases: Leases::new(relay_fanout),
+            parts: Mutex::new(HashMap::new()),
             claims,
             transfers: Arc::default(),
         }
@@ -112,15 +147,9 @@ impl Coalescer {
         &self.config
     }
 
-    /// Who fetches `digest` from upstream, for this node's miss of it (`failed`: a leader
+    /// Who fetches `digest` from upstream, for this node's miss of it (`failed`: a source
     /// this node could not follow).
-    pub async fn decide(
-        &self,
-        digest: &Digest,
-        ns: &str,
-        name: &str,
-        failed: Option<&Peer>,
-    ) -> Decision {
+    pub async fn decide(&self, digest: &Digest, failed: Option<&Peer>) -> Decision {
         let me = self.router.local();
         let Some(coordinator) = self.coordinator(digest, &me).await else {
             return Decision::Alone;
@@ -138,26 +167,61 @@ impl Coalescer {
             }
             grant.ok().flatten()
         };
-        let decision = match grant {
-            Some(Grant::Lead) => {
-                self.lock_leading().insert(
-                    digest.clone(),
-                    (ns.to_string(), name.to_string(), Instant::now()),
-                );
-                Decision::Lead
+        let grant_missing = grant.is_none();
+        let (decision, leader) = match grant {
+            Some(Grant::Follow { source, leader }) if source.id != me.id => {
+                (Decision::Follow(source), Some(leader))
             }
-            Some(Grant::Follow(leader)) if leader.id == me.id => Decision::Lead,
-            Some(Grant::Follow(leader)) => Decision::Follow(leader),
-            None => Decision::Alone,
+            Some(_) => (Decision::Lead, None),
+            None => match self.leader_to_fall_back_on(digest, coordinator, failed) {
+                Some(leader) => {
+                    tracing::info!(%digest, leader = %leader.id, "no coordinator: following the leader it named before");
+                    (Decision::Follow(leader.clone()), Some(leader))
+                }
+                None => (Decision::Alone, None),
+            },
         };
+        let role = match &decision {
+            Decision::Lead => Some(Role::Lead),
+            Decision::Follow(source) => Some(Role::Follow(source.clone())),
+            Decision::Alone => None,
+        };
+        if let Some(role) = role {
+            let mut parts = self.lock_parts();
+            let part = parts.entry(digest.clone()).or_insert_with(|| Part {
+                role: role.clone(),
+                leader: None,
+                since: Instant::now(),
+                followers: HashMap::new(),
+            });
+            part.role = role;
+            part.leader = leader;
+            part.since = Instant::now();
+        }
         let (role, result) = match &decision {
             Decision::Lead => ("leader", "upstream"),
+            Decision::Follow(_) if grant_missing => ("follower", "leader_fallback"),
             Decision::Follow(_) => ("follower", "assigned"),
             Decision::Alone => ("none", "coordinator_unreachable"),
         };
         self.count(role, result);
         tracing::debug!(%digest, coordinator = %coordinator.id, ?decision, "coalesce decision");
         decision
+    }
+
+    /// The leader to follow when the coordinator cannot be asked again mid-download: the one
+    /// it named to this node before, unless that is the silent coordinator or the source that
+    /// just failed. A relay that was also the coordinator dies, and its followers go on.
+    fn leader_to_fall_back_on(
+        &self,
+        digest: &Digest,
+        coordinator: &Peer,
+        failed: Option<&Peer>,
+    ) -> Option<Peer> {
+        let parts = self.lock_parts();
+        let leader = parts.get(digest)?.leader.clone()?;
+        let gone = leader.id == coordinator.id || failed.is_some_and(|f| f.id == leader.id);
+        (!gone).then_some(leader)
     }
 
     /// A request of this node's containerd for `digest`, which its store lacks: a download of
@@ -228,27 +292,73 @@ impl Coalescer {
         grant
     }
 
-    /// Whether this node leads `digest` now (its peer address may serve it in flight).
-    pub fn leads(&self, digest: &Digest) -> bool {
-        let mut leading = self.lock_leading();
-        leading.retain(|_, (_, _, since)| since.elapsed() < LEASE);
-        leading.contains_key(digest)
+    /// This node's role in `digest`'s download now, if it has one (then its peer address
+    /// serves the download in flight).
+    pub fn role(&self, digest: &Digest) -> Option<Role> {
+        let mut parts = self.lock_parts();
+        parts.retain(|_, p| p.since.elapsed() < LEASE || !p.followers.is_empty());
+        parts.get(digest).map(|p| p.role.clone())
     }
 
-    /// Whether this node leads `digest`, waiting up to [`CLAIM_TIMEOUT`] for it to: a
-    /// follower may ask as soon as the coordinator has granted the lease, before the grant's
-    /// answer has reached this node.
-    pub async fn leads_soon(&self, digest: &Digest) -> bool {
+    /// Whether this node leads `digest` now.
+    pub fn leads(&self, digest: &Digest) -> bool {
+        self.role(digest) == Some(Role::Lead)
+    }
+
+    /// This node's role in `digest`'s download, waiting up to [`CLAIM_TIMEOUT`] for one: a
+    /// follower may ask as soon as the coordinator has answered, before the answer to this
+    /// node's own claim has reached it.
+    pub async fn role_soon(&self, digest: &Digest) -> Option<Role> {
         let deadline = Instant::now() + CLAIM_TIMEOUT;
         loop {
-            if self.leads(digest) {
-                return true;
+            if let Some(role) = self.role(digest) {
+                return Some(role);
             }
             if Instant::now() >= deadline {
-                return false;
+                return None;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
+    }
+
+    /// `follower` streams `digest` from this node while the guard lives.
+    pub fn serving(self: &Arc<Self>, digest: &Digest, follower: &str) -> Serving {
+        let mut parts = self.lock_parts();
+        if let Some(part) = parts.get_mut(digest) {
+            *part.followers.entry(follower.to_string()).or_insert(0) += 1;
+        }
+        Serving {
+            coalescer: self.clone(),
+            digest: digest.clone(),
+            follower: follower.to_string(),
+        }
+    }
+
+    /// Every download this node leads or follows, newest first.
+    pub fn in_flight(&self) -> Vec<InFlightPart> {
+        let mut parts: Vec<InFlightPart> = self
+            .lock_parts()
+            .iter()
+            .filter(|(_, p)| p.since.elapsed() < LEASE || !p.followers.is_empty())
+            .map(|(digest, p)| {
+                let mut followers: Vec<String> = p.followers.keys().cloned().collect();
+                followers.sort();
+                let (role, source) = match &p.role {
+                    Role::Lead => ("leader", None),
+                    Role::Follow(s) if followers.is_empty() => ("follower", Some(s.id.clone())),
+                    Role::Follow(s) => ("relay", Some(s.id.clone())),
+                };
+                InFlightPart {
+                    digest: digest.to_string(),
+                    role: role.to_string(),
+                    source,
+                    followers,
+                    age_s: p.since.elapsed().as_secs(),
+                }
+            })
+            .collect();
+        parts.sort_by_key(|p| p.age_s);
+        parts
     }
 
     pub fn count(&self, role: &'static str, result: &'static str) {
@@ -258,9 +368,29 @@ impl Coalescer {
             .inc();
     }
 
-    fn lock_leading(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<Digest, (String, String, Instant)>> {
-        self.leading.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock_parts(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Part>> {
+        self.parts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A follower's stream from this node: counted among the digest's followers until dropped.
+#[derive(Debug)]
+pub struct Serving {
+    coalescer: Arc<Coalescer>,
+    digest: Digest,
+    follower: String,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let mut parts = self.coalescer.lock_parts();
+        if let Some(part) = parts.get_mut(&self.digest)
+            && let Some(n) = part.followers.get_mut(&self.follower)
+        {
+            *n -= 1;
+            if *n == 0 {
+                part.followers.remove(&self.follower);
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 39] = [
+pub const KEYS: [(&str, &str); 40] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -38,6 +38,7 @@ pub const KEYS: [(&str, &str); 39] = [
     ("resolve-tags", "when-upstream-fails"),
     ("coalesce", "true"),
     ("follow-timeout", "3s"),
+    ("relay-fanout", "2"),
     ("provide-ttl", "30m"),
     ("reprovide-interval", "10m"),
     ("p2p", "true"),
@@ -119,6 +120,8 @@ pub struct P2pSettings {
     pub resolve_tags: ResolveTags,
     /// `Some(follow timeout)` when simultaneous misses are coordinated (`coalesce`).
     pub coalesce: Option<Duration>,
+    /// Followers one node streams a blob to at once; 0: all follow the leader.
+    pub relay_fanout: usize,
     pub provide_ttl: Duration,
     pub reprovide_interval: Duration,
     pub peer_connect_timeout: Duration,
@@ -345,6 +348,7 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         coalesce: boolean("coalesce", &value("coalesce"))?
             .then(|| duration("follow-timeout", &value("follow-timeout")))
             .transpose()?,
+        relay_fanout: relay_fanout(&value("relay-fanout"))?,
         provide_ttl,
         reprovide_interval,
         peer_connect_timeout: duration("peer-connect-timeout", &value("peer-connect-timeout"))?,
@@ -356,6 +360,15 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
         verify_before_serving: size("verify-before-serving", &value("verify-before-serving"))?,
         zero_copy: boolean("zero-copy", &value("zero-copy"))?,
     }))
+}
+
+fn relay_fanout(v: &str) -> Result<usize, ConfigError> {
+    v.parse::<usize>().ok().filter(|n| *n <= 64).ok_or_else(|| {
+        err(
+            "relay-fanout",
+            format!("{v:?}: expected 0 (no relays) to 64"),
+        )
+    })
 }
 
 /// A key that no longer exists, named so that an old config gets a useful error.

@@ -192,6 +192,7 @@ pub struct Metrics {
     pub upstream_probes: Family<ProbeLabels, Counter>,
     pub coalesce: Family<CoalesceLabels, Counter>,
     pub inflight_bytes: Counter,
+    pub relayed_bytes: Counter,
     pub zero_copy_bytes: Counter,
     pub follow_wait: Histogram,
     pub corrupt_blobs: Counter,
@@ -255,6 +256,7 @@ impl Metrics {
         let upstream_probes = Family::<ProbeLabels, Counter>::default();
         let coalesce = Family::<CoalesceLabels, Counter>::default();
         let inflight_bytes = Counter::default();
+        let relayed_bytes = Counter::default();
         let zero_copy_bytes = Counter::default();
         let follow_wait = Histogram::new(DURATION_BUCKETS);
         let corrupt_blobs = Counter::default();
@@ -397,6 +399,11 @@ impl Metrics {
             inflight_bytes.clone(),
         );
         registry.register(
+            "relayed_bytes",
+            "Bytes served to followers out of this node's own download while it follows (relays)",
+            relayed_bytes.clone(),
+        );
+        registry.register(
             "zero_copy_bytes",
             "Blob bytes sent to other nodes with sendfile, straight from the page cache (also counted in ferry_served_bytes_total)",
             zero_copy_bytes.clone(),
@@ -512,6 +519,7 @@ impl Metrics {
             upstream_probes,
             coalesce,
             inflight_bytes,
+            relayed_bytes,
             zero_copy_bytes,
             follow_wait,
             corrupt_blobs,

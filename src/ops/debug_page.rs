@@ -184,6 +184,21 @@ fn render(st: &Status, now: u64, peering: bool) -> String {
             }
         }
     }
+    if !st.in_flight.is_empty() {
+        o.push_str("<h2>Downloads in a rollout</h2><table><tr><th>digest</th><th>role</th><th>source</th><th>followers</th><th>since</th></tr>");
+        for p in &st.in_flight {
+            let _ = write!(
+                o,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                esc(&p.digest),
+                esc(&p.role),
+                esc(p.source.as_deref().unwrap_or("upstream")),
+                esc(&p.followers.join(", ")),
+                duration(p.age_s)
+            );
+        }
+        o.push_str("</table>");
+    }
     o.push_str("<h2>Served since start</h2><table><tr><th>to</th><th>kind</th><th>from</th><th>answers</th><th>bytes</th></tr>");
     for s in &st.served {
         let to = if s.listener == "peer" {
@@ -287,6 +302,7 @@ mod tests {
             this_node: None,
             peers: vec![],
             passed_over: vec![],
+            in_flight: vec![],
             advertised_keys: 0,
             advertised_tags: vec![],
             served: vec![],

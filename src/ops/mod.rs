@@ -15,6 +15,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
+use crate::coalesce::Coalescer;
 use crate::metrics::Metrics;
 use crate::ops::problems::Problems;
 use crate::registry::peer::PeerFetcher;
@@ -77,6 +78,8 @@ pub struct Sources {
     pub fetcher: Option<Arc<PeerFetcher>>,
     /// What this node advertises (digests and tags); `None` when peer-to-peer is off.
     pub exposed: Option<tokio::sync::watch::Receiver<crate::routing::sync::Exposed>>,
+    /// Downloads this node leads, follows or relays; `None` when coalescing is off.
+    pub coalesce: Option<Arc<Coalescer>>,
     /// Serve `/debug` (`--debug-page`).
     pub debug_page: bool,
     /// The Kubernetes node name, when known.
@@ -162,6 +165,11 @@ pub fn status(s: &Sources) -> Status {
             .peers
             .as_ref()
             .map(|r| r.members().iter().map(view).collect())
+            .unwrap_or_default(),
+        in_flight: s
+            .coalesce
+            .as_ref()
+            .map(|c| c.in_flight())
             .unwrap_or_default(),
         advertised_keys: s.metrics.keys_advertised.get(),
         advertised_tags: s

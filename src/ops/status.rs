@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::coalesce::InFlightPart;
 use crate::metrics::{self, Metrics, SourceLabels};
 use crate::registry::recent::Pull;
 
@@ -23,6 +24,9 @@ pub struct Status {
     /// bytes).
     #[serde(default)]
     pub passed_over: Vec<PassedOver>,
+    /// Blobs this node leads, follows or relays now (a rollout), newest first.
+    #[serde(default)]
+    pub in_flight: Vec<InFlightPart>,
     pub advertised_keys: i64,
     /// The images (registry/repository:tag) among them; the rest are digests.
     #[serde(default)]
@@ -178,6 +182,12 @@ impl Status {
                 }
             }
         }
+        if !self.in_flight.is_empty() {
+            out.push_str("downloads in a rollout (this node's role, its source, its followers):\n");
+            for p in &self.in_flight {
+                out.push_str(&format!("  {}\n", in_flight_line(p)));
+            }
+        }
         if self.corrupt_blobs > 0 {
             out.push_str(&format!(
                 "corrupt blobs found in the store: {}\n",
@@ -237,6 +247,20 @@ impl Status {
         }
         out
     }
+}
+
+/// `sha256:abcd… leader -> 2 followers (a, b)`, as status and the debug page show it.
+pub fn in_flight_line(p: &InFlightPart) -> String {
+    let digest: String = p.digest.chars().take(19).collect();
+    let from = p
+        .source
+        .as_deref()
+        .map_or(String::new(), |s| format!(" from {s}"));
+    let to = match p.followers.len() {
+        0 => String::new(),
+        n => format!(" to {n} followers ({})", p.followers.join(", ")),
+    };
+    format!("{digest}… {}{from}{to}, {} ago", p.role, duration(p.age_s))
 }
 
 fn source_name(source: &str) -> &str {
@@ -307,6 +331,13 @@ mod tests {
                 seconds_left: 290,
                 quarantined: true,
             }],
+            in_flight: vec![InFlightPart {
+                digest: "sha256:0123456789abcdef0123".into(),
+                role: "relay".into(),
+                source: Some("12D3leader".into()),
+                followers: vec!["12D3a".into(), "12D3b".into()],
+                age_s: 2,
+            }],
             advertised_keys: 7,
             advertised_tags: vec!["docker.io/library/app:1".into()],
             served: vec![Served {
@@ -337,6 +368,7 @@ mod tests {
             "12D3bad: QUARANTINED (served bytes that did not match their digest) for 4m 50s",
             "keys advertised: 7 (6 digests, 1 image tags)",
             "lookup wait: 87 ms (3 lookups cut by it found a provider later)",
+            "sha256:0123456789ab… relay from 12D3leader to 2 followers (12D3a, 12D3b), 2s ago",
             "blob from other nodes: 3 answers, 3.0 MiB",
             "served to other nodes (since start):\n  nothing yet",
             "thanks to peers: 3.0 MiB",

@@ -184,8 +184,9 @@ async fn resolve_tag(
 }
 
 /// A miss nobody holds: coordinate with the nodes missing it too. This node leads (a 404, its
-/// containerd goes upstream), or follows the leader's download; a leader that gives nothing
-/// is reported and the decision taken again, once. Anything else is a 404, as without.
+/// containerd goes upstream), or follows a download in progress (the leader's or a relay's);
+/// a source that gives nothing is reported and the decision taken again, once. Anything else
+/// is a 404, as without.
 async fn follow(
     mirror: &Mirror,
     req: &Pull,
@@ -212,24 +213,24 @@ async fn follow(
     let wait = coalesce.config().follow_timeout;
     let mut failed = None;
     for _ in 0..2 {
-        let leader = match coalesce.decide(digest, ns, name, failed.as_ref()).await {
-            Decision::Follow(leader) => leader,
+        let source = match coalesce.decide(digest, failed.as_ref()).await {
+            Decision::Follow(source) => source,
             Decision::Lead | Decision::Alone => return miss(),
         };
         let got = if kind == Kind::Blob {
             peers
-                .blob_following(request, digest.clone(), &leader, wait)
+                .blob_following(request, digest.clone(), &source, wait)
                 .await
         } else {
             peers
-                .manifest_following(request, digest.clone(), &leader, wait)
+                .manifest_following(request, digest.clone(), &source, wait)
                 .await
         };
         match got {
             Ok(response) => {
                 coalesce.count("follower", "served");
                 let what = format!("{ns}/{name}@{digest}");
-                tracing::debug!(%digest, leader = %leader.id, "following the leader's download");
+                tracing::debug!(%digest, source = %source.id, "following a download in progress");
                 return Ok(served_by(
                     state,
                     req,
@@ -241,8 +242,8 @@ async fn follow(
             }
             Err(why) => {
                 coalesce.count("follower", "failed");
-                tracing::info!(%digest, leader = %leader.id, %why, "the leader gave nothing in time; reporting it");
-                failed = Some(leader);
+                tracing::info!(%digest, source = %source.id, %why, "the source gave nothing in time; reporting it");
+                failed = Some(source);
             }
         }
     }

@@ -5,8 +5,9 @@
 //! - a manifest by digest or by tag, a blob: from this node's own store, and only what this
 //!   node advertises (so `--registries` and `--registry-filters` hold for serving too). Tags
 //!   are served here: that is how another node resolves one while its registry is down.
-//! - a blob or manifest by digest this node is fetching from upstream as a coalescing leader,
-//!   asked with the follow header: streamed out of containerd's download in progress;
+//! - a blob or manifest by digest this node is fetching as a coalescing leader or follower,
+//!   asked with the follow header: streamed out of containerd's download in progress (a
+//!   follower relays its own download, `docs/design/relays.md`);
 //! - `POST /_ferry/v1/claim/<digest>`: who leads that digest's download (this node as the
 //!   digest's coordinator, see `coalesce`);
 //! - anything else: refused. Nothing is ever asked of other nodes from here, so a request
@@ -33,7 +34,7 @@ use super::peer::ClaimAnswer;
 use super::request::{self, Counting, Listener, Mirrored, Pull};
 use super::zero_copy;
 use super::{ApiError, Source};
-use crate::coalesce::Coalescer;
+use crate::coalesce::{Coalescer, Role};
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::oci::Digest;
 use crate::oci::registry::Registries;
@@ -145,13 +146,13 @@ async fn handle(State(api): State<Arc<PeerApi>>, pull: Pull) -> Response {
 }
 
 async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
-    if let (Some(coalesce), Some(digest), true) = (
-        &api.state.coalesce,
-        by_digest(&req.path),
-        req.headers.contains_key(FOLLOW_HEADER),
-    ) && coalesce.leads_soon(digest).await
+    let follower = req.headers.get(FOLLOW_HEADER).and_then(|v| v.to_str().ok());
+    if let (Some(coalesce), Some(digest), Some(follower)) =
+        (&api.state.coalesce, by_digest(&req.path), follower)
+        && let Some(role) = coalesce.role_soon(digest).await
     {
-        return in_flight(api, coalesce, &req, digest).await;
+        let _serving = coalesce.serving(digest, follower);
+        return in_flight(api, coalesce, &req, digest, role).await;
     }
     if !exposed(&api.state, &req.path, req.ns.as_deref()) {
         return Err(match req.path {
@@ -207,13 +208,14 @@ fn by_digest(path: &ApiPath) -> Option<&Digest> {
     }
 }
 
-/// A follower asks for what this node leads: from the store if containerd has committed it
-/// already, else out of containerd's download as it lands.
+/// A follower asks for what this node leads or follows (relays): from the store if
+/// containerd has committed it already, else out of containerd's download as it lands.
 async fn in_flight(
     api: &PeerApi,
     coalesce: &Coalescer,
     req: &Pull,
     digest: &Digest,
+    role: Role,
 ) -> Result<Response, ApiError> {
     let complete = || async {
         match &req.path {
@@ -261,8 +263,12 @@ async fn in_flight(
         }
     };
     let manifest = matches!(req.path, ApiPath::Manifest { .. });
-    tracing::debug!(%digest, total = body.total, "serving a follower from the download in progress");
-    let counter = api.state.metrics.inflight_bytes.clone();
+    tracing::debug!(%digest, total = body.total, ?role, "serving a follower from the download in progress");
+    let metrics = &api.state.metrics;
+    let counter = match role {
+        Role::Lead => metrics.inflight_bytes.clone(),
+        Role::Follow(_) => metrics.relayed_bytes.clone(),
+    };
     // The follower checks a blob's digest itself: not hashed twice.
     let answer = in_flight::respond(req.head, manifest, digest, body, false, counter).await?;
     Ok(request::sourced(answer, Source::InFlight))

@@ -10,6 +10,7 @@ pub mod cluster;
 pub mod kube_api;
 pub mod netns;
 pub mod ports;
+pub mod storm;
 
 pub use ports::free_addr;
 

@@ -33,6 +33,8 @@ pub struct PeerClient {
     pub idle: Duration,
     /// Blob GETs offer the zero-copy upgrade (`registry::zero_copy`).
     zero_copy: bool,
+    /// This node's peer ID, sent with a follow request so the source can show its followers.
+    me: String,
 }
 
 /// One request to a peer: what, where, and whether the leader may answer from a download in
@@ -66,12 +68,18 @@ impl PeerClient {
             first_byte,
             idle,
             zero_copy: true,
+            me: "1".to_string(),
         })
     }
 
     /// Whether blob GETs offer the zero-copy upgrade (on unless `--zero-copy false`).
     pub fn offering_zero_copy(self, zero_copy: bool) -> Self {
         PeerClient { zero_copy, ..self }
+    }
+
+    /// The peer ID a follow request names its follower by.
+    pub fn sent_by(self, me: String) -> Self {
+        PeerClient { me, ..self }
     }
 
     /// Sends `call` to `peer` and waits for the response headers (any status).
@@ -107,7 +115,7 @@ impl PeerClient {
         // A leader answers once its download has started: its wait is part of ours.
         let first_byte = match call.follow {
             Some(wait) => {
-                request = request.header(FOLLOW_HEADER, "1");
+                request = request.header(FOLLOW_HEADER, &self.me);
                 wait + self.first_byte
             }
             None => self.first_byte,
@@ -165,12 +173,18 @@ impl PeerClient {
             .await
             .ok()?;
         let answer: ClaimAnswer = serde_json::from_slice(&body).ok()?;
+        let peer = |p: ClaimPeer| Peer {
+            id: p.id,
+            addr: p.addr,
+        };
         match (answer.lead, answer.leader) {
             (true, _) => Some(Grant::Lead),
-            (false, Some(p)) => Some(Grant::Follow(Peer {
-                id: p.id,
-                addr: p.addr,
-            })),
+            (false, Some(source)) => {
+                let source = peer(source);
+                // A coordinator of an earlier version names only the leader.
+                let leader = answer.root.map_or_else(|| source.clone(), peer);
+                Some(Grant::Follow { source, leader })
+            }
             (false, None) => None,
         }
     }
@@ -180,8 +194,12 @@ impl PeerClient {
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct ClaimAnswer {
     pub lead: bool,
+    /// The peer to stream from (named `leader` since before relays: the leader or a relay).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub leader: Option<ClaimPeer>,
+    /// The leader itself.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub root: Option<ClaimPeer>,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -190,19 +208,27 @@ pub struct ClaimPeer {
     pub addr: std::net::SocketAddr,
 }
 
+impl From<&Peer> for ClaimPeer {
+    fn from(p: &Peer) -> ClaimPeer {
+        ClaimPeer {
+            id: p.id.clone(),
+            addr: p.addr,
+        }
+    }
+}
+
 impl ClaimAnswer {
     pub fn from_grant(grant: &Grant) -> ClaimAnswer {
         match grant {
             Grant::Lead => ClaimAnswer {
                 lead: true,
                 leader: None,
+                root: None,
             },
-            Grant::Follow(p) => ClaimAnswer {
+            Grant::Follow { source, leader } => ClaimAnswer {
                 lead: false,
-                leader: Some(ClaimPeer {
-                    id: p.id.clone(),
-                    addr: p.addr,
-                }),
+                leader: Some(ClaimPeer::from(source)),
+                root: Some(ClaimPeer::from(leader)),
             },
         }
     }

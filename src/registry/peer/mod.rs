@@ -149,7 +149,8 @@ impl PeerFetcher {
             config.idle_timeout,
             secret,
         )?
-        .offering_zero_copy(config.zero_copy);
+        .offering_zero_copy(config.zero_copy)
+        .sent_by(router.local().id);
         let bound = Arc::new(
             ResolveBound::new(config.resolve_timeout, config.resolve_timeout_max)
                 .shown_in(metrics.peer_resolve_wait.clone()),
