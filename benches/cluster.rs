@@ -8,8 +8,10 @@
 //! then the component figures (`components.rs`). JSON and a PNG under `benches/results/`.
 //!
 //! `cargo bench --bench cluster -- [--nodes 4] [--rate 200mbit] [--sizes 10MiB,100MiB,1GiB]
-//! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot] [--storm] [--last-hop]`. `--storm` runs
-//! the rollout scenario instead (`cluster/storm.rs`): every node pulling a new image at once.
+//! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot] [--storm] [--last-hop]
+//! [--node-rate R] [--relay-fanouts LIST]`. `--storm` runs the rollout scenario instead
+//! (`cluster/storm.rs`): every node pulling a new image at once; `--node-rate` shapes each
+//! node's link both ways, `--rate none` leaves the upstream's unshaped.
 //! `--last-hop` instead compares a peer pull with a pull from the registry next door, one node
 //! pulling at a time (`cluster/last_hop.rs`). Needs root (network namespaces), except
 //! `--replot`: redraw the chart and reprint the tables from the JSON.
@@ -49,6 +51,11 @@ struct Options {
     replot: bool,
     /// The storm scenario only (every node pulling a new image at once): `<out>/storm.json`.
     storm: bool,
+    /// Each node's link, both ways (`tbf`); `None`: unshaped.
+    node_rate: Option<String>,
+    /// Storm columns with these `--relay-fanout` values besides the default's (default: 0,
+    /// coalescing without relays).
+    fanouts: Vec<usize>,
     /// The last hop only (a peer pull against the registry next door, one node pulling at a
     /// time): `<out>/last_hop.json`.
     last_hop: bool,
@@ -92,11 +99,36 @@ fn options() -> Option<Options> {
         replot: args.iter().any(|a| a == "--replot"),
         storm: args.iter().any(|a| a == "--storm"),
         last_hop: args.iter().any(|a| a == "--last-hop"),
+        node_rate: Some(value("--node-rate", "")).filter(|r| !r.is_empty()),
+        fanouts: value("--relay-fanouts", "0")
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse().expect("--relay-fanouts"))
+            .collect(),
         out: PathBuf::from(value(
             "--out",
             concat!(env!("CARGO_MANIFEST_DIR"), "/benches/results"),
         )),
     })
+}
+
+/// The upstream's shaper queues up to 100 ms, as a path across the internet does.
+const WAN_QUEUE: (&str, &str) = ("256kb", "100ms");
+/// A node's link queues little, as a switch port does: a 100 ms queue on every hop would
+/// measure the shaper's bufferbloat, not the link.
+const LAN_QUEUE: (&str, &str) = ("64kb", "10ms");
+
+/// A `tbf` on `dev` in namespace `ns` (`None`: the host's), with `queue`'s burst and latency.
+fn shape(ns: Option<&str>, dev: &str, rate: &str, queue: (&str, &str)) {
+    let (burst, latency) = queue;
+    let status = in_netns(ns, "tc")
+        .args([
+            "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency",
+            latency,
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success(), "tc tbf on {dev}");
 }
 
 /// Pulls `reference` on `node` through `hosts_dir`; returns the wall time.
@@ -210,15 +242,11 @@ fn main() {
     let up_ns = net.add_host("up", 1);
     let upstream = SocketAddr::new(net.host_ip(1), 5000);
     let registry = Registry::start_at(&dir.join("registry"), Some(&up_ns), upstream);
-    // The upstream's link to the cluster: shaped, as a registry across the internet is.
-    let status = in_netns(Some(&up_ns), "tc")
-        .args([
-            "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", &opts.rate, "burst", "256kb",
-            "latency", "100ms",
-        ])
-        .status()
-        .unwrap();
-    assert!(status.success(), "tc tbf");
+    // The upstream's link to the cluster: shaped, as a registry across the internet is
+    // (`--rate none`: a registry as fast as the nodes' links, as in a cloud region).
+    if opts.rate != "none" {
+        shape(Some(&up_ns), "eth0", &opts.rate, WAN_QUEUE);
+    }
     // The pull-through cache users deploy instead: one registry in the cluster, proxying upstream.
     let cache_ns = net.add_host("cache", 2);
     let cache_addr = SocketAddr::new(net.host_ip(2), 5000);
@@ -260,6 +288,14 @@ fn main() {
         );
         nodes.push(node);
     }
+    // Each node's own link, both ways: what it sends leaves its end, what it receives leaves
+    // the bridge's end.
+    if let Some(rate) = &opts.node_rate {
+        for node in &nodes {
+            shape(Some(&node.ns), "eth0", rate, LAN_QUEUE);
+            shape(None, &Net::bridge_side(&node.ns), rate, LAN_QUEUE);
+        }
+    }
     if opts.nodes > 1 {
         wait_for("nodes connected", || {
             nodes[0].metric("ferry_peers_connected") as usize >= opts.nodes - 1
@@ -273,12 +309,14 @@ fn main() {
             cache: cache_addr,
             near,
             dir,
+            fanouts: &opts.fanouts,
         };
         let layers = *opts.layers.last().unwrap_or(&4);
         let results = storm::run(&mut nodes, &setup, &opts.sizes, layers);
         let report = json!({
             "machine": machine(),
             "nodes": opts.nodes, "upstream_rate": opts.rate,
+            "node_rate": opts.node_rate,
             "storm": results,
         });
         write_report(&opts.out, "storm.json", &report);

@@ -168,6 +168,15 @@ pub struct Flags {
     /// tree. 0: every follower streams from the leader [default: 2]
     #[arg(long, global = true, env = "FERRY_RELAY_FANOUT", value_name = "N")]
     pub relay_fanout: Option<String>,
+    /// Bytes per second this node sends other nodes at most, all peer answers together
+    /// (e.g. 50MiB); empty or 0: no limit [default: no limit]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_PEER_UPLOAD_LIMIT",
+        value_name = "SIZE"
+    )]
+    pub peer_upload_limit: Option<String>,
     /// Replaced by --resolve-tags; kept only to say so
     #[arg(long, global = true, hide = true, env = "FERRY_RESOLVE_LATEST")]
     pub resolve_latest: Option<String>,
@@ -305,6 +314,7 @@ impl Flags {
             ("coalesce", &self.coalesce),
             ("follow-timeout", &self.follow_timeout),
             ("relay-fanout", &self.relay_fanout),
+            ("peer-upload-limit", &self.peer_upload_limit),
             ("provide-ttl", &self.provide_ttl),
             ("reprovide-interval", &self.reprovide_interval),
             ("p2p", &self.p2p),

@@ -534,3 +534,43 @@ fn the_dashboard_queries_only_metrics_ferry_exports() {
     }
     assert!(checked >= 10, "{checked} metric names checked");
 }
+
+/// The relay values reach Ferry's flags, 0 included (a `default` would turn it into 2), and
+/// Ferry takes the flags as the chart renders them.
+#[test]
+fn relay_fanout_and_the_upload_limit_reach_ferrys_flags() {
+    let args = |set: &[&str]| -> Vec<String> {
+        let objects = render(set);
+        let ds = ferry_daemonset(&objects);
+        ds["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    };
+    let defaults = args(&[]);
+    assert!(
+        defaults.contains(&"--relay-fanout=2".to_string()),
+        "{defaults:?}"
+    );
+    assert!(
+        !defaults
+            .iter()
+            .any(|a| a.starts_with("--peer-upload-limit"))
+    );
+    let set = args(&["relayFanout=0", "peerUploadLimit=50MiB"]);
+    assert!(set.contains(&"--relay-fanout=0".to_string()), "{set:?}");
+    assert!(
+        set.contains(&"--peer-upload-limit=50MiB".to_string()),
+        "{set:?}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let hosts = tmp.path().join("certs.d");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["configure", "--hosts-dir", hosts.to_str().unwrap()])
+        .args(["--relay-fanout=0", "--peer-upload-limit=50MiB"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}

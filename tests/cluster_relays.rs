@@ -91,7 +91,13 @@ fn followers_relay_and_a_relay_that_dies_or_stalls_costs_no_pull() {
     let relay = std::thread::scope(|s| {
         let pulls = s.spawn(|| storm(&c.nodes, std::slice::from_ref(&reference)));
         let relay = relay_mid_blob(&c.nodes, &before);
+        // What an operator sees on the relay mid-blob: its role, its source, its follower.
+        let status = c.nodes[relay].status(false);
         c.nodes[relay].ferry.signal("KILL");
+        assert!(
+            status.contains(" relay from ") && status.contains(" to 1 followers ("),
+            "{status}"
+        );
         for (node, result) in c.nodes.iter().zip(pulls.join().unwrap()) {
             if let Err(out) = result {
                 panic!("{}'s pull failed with a relay killed:\n{out}", node.name);

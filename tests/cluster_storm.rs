@@ -172,7 +172,8 @@ fn faults_during_a_storm_never_fail_a_pull_or_commit_a_wrong_byte() {
     all_content_right(&[&c.nodes[leader]], &image);
 
     // 3. The coordinator of the image's first layer is killed as the storm starts: claims to
-    //    it fail at once and the misses go upstream, as without coalescing.
+    //    it are refused at once and go to the next coordinator (or upstream, as without
+    //    coalescing, where none answers).
     let (image, reference) = new_image(&c, dir, "coordinator-killed");
     let ids: Vec<ferry::routing::Peer> = c
         .nodes

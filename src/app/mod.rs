@@ -25,6 +25,7 @@ use crate::config::Config;
 use crate::containerd_config;
 use crate::metrics::Metrics;
 use crate::net::listen;
+use crate::net::pace::Pace;
 use crate::ops::problems::Problems;
 use crate::ops::{self, Readiness};
 use crate::registry::integrity::Integrity;
@@ -183,6 +184,11 @@ pub async fn serve(
                 Arc::new(Integrity::new(store, p.router.clone(), metrics))
             }),
             zero_copy: peers.as_ref().is_some_and(|p| p.fetch.zero_copy),
+            upload_limit: config
+                .p2p
+                .as_ref()
+                .and_then(|p| p.peer_upload_limit)
+                .map(|rate| Arc::new(Pace::new(rate))),
         };
         node.spawn_server("peer", listener, registry::peer_api::router(peer_api));
     }

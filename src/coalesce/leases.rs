@@ -17,6 +17,11 @@ use crate::routing::Peer;
 pub(crate) const LEASE: Duration = Duration::from_secs(600);
 /// At most this many leases are kept; beyond it the oldest go.
 const MAX_LEASES: usize = 100_000;
+/// Followers form a chain this many hops deep before any member streams to a second one: on
+/// links of equal speed a member with two followers halves what each gets, while a hop costs
+/// a relay's lag (a fraction of a second on slow links, milliseconds on fast ones). Measured
+/// in `docs/benchmarks.md` (relays).
+pub(crate) const CHAIN_DEPTH: usize = 16;
 /// Members of one digest's tree that may be sources; later claimants follow one of them
 /// without becoming a source themselves (the table's memory stays bounded).
 const MAX_MEMBERS: usize = 4_096;
@@ -52,6 +57,8 @@ struct Member {
 pub(crate) struct Leases {
     /// Followers one member may stream a blob to; 0: all follow the leader (no relays).
     fanout: usize,
+    /// Hops a chain of single followers may grow to before members take more (`CHAIN_DEPTH`).
+    chain: usize,
     table: Mutex<HashMap<Digest, Tree>>,
 }
 
@@ -63,8 +70,13 @@ impl Default for Leases {
 
 impl Leases {
     pub(crate) fn new(fanout: usize) -> Leases {
+        Leases::with_chain(fanout, CHAIN_DEPTH)
+    }
+
+    pub(crate) fn with_chain(fanout: usize, chain: usize) -> Leases {
         Leases {
             fanout,
+            chain,
             table: Mutex::default(),
         }
     }
@@ -86,7 +98,7 @@ impl Leases {
                 tree.failed(failed);
             }
             if tree.members[tree.leader].alive {
-                return tree.attach(claimant, self.fanout);
+                return tree.attach(claimant, self.fanout, self.chain);
             }
             // The leader was reported: the claimant leads, keeping its own followers.
             tree.promote(claimant, now);
@@ -142,7 +154,7 @@ impl Tree {
 
     /// The claimant's source: the one it has, while alive; else the shallowest live member
     /// with a free slot outside the claimant's own subtree (which waits for the claimant).
-    fn attach(&mut self, claimant: &Peer, fanout: usize) -> Grant {
+    fn attach(&mut self, claimant: &Peer, fanout: usize, chain: usize) -> Grant {
         let me = self.find(&claimant.id);
         if me == Some(self.leader) {
             return Grant::Lead;
@@ -158,7 +170,7 @@ impl Tree {
         let source = if fanout == 0 {
             self.leader
         } else {
-            self.roomiest(me, fanout)
+            self.roomiest(me, fanout, chain)
         };
         let depth = self.members[source].depth + 1;
         match me {
@@ -185,16 +197,29 @@ impl Tree {
         }
     }
 
-    /// The shallowest live member with fewer than `fanout` children, not in `me`'s subtree
-    /// (ties: the earliest to join). Every member adds `fanout` slots, so there is one unless
-    /// every member has died or is under `me`: then the leader, beyond its fanout.
-    fn roomiest(&self, me: Option<usize>, fanout: usize) -> usize {
-        (0..self.members.len())
+    /// Where a claimant attaches: the end of a chain of single followers while it is shorter
+    /// than `chain` hops, else the shallowest member with fewer than `fanout` children (ties:
+    /// the earliest to join); never a dead member or one in `me`'s subtree (it waits for
+    /// `me`). Every member adds slots, so there is one unless every member has died or is
+    /// under `me`: then the leader, beyond its fanout.
+    fn roomiest(&self, me: Option<usize>, fanout: usize, chain: usize) -> usize {
+        let open: Vec<usize> = (0..self.members.len())
             .filter(|&i| {
                 let m = &self.members[i];
                 m.alive && m.children < fanout && !me.is_some_and(|me| self.descends(i, me))
             })
-            .min_by_key(|&i| (self.members[i].depth, i))
+            .collect();
+        let shallowest = |candidates: &mut dyn Iterator<Item = usize>| {
+            candidates.min_by_key(|&i| (self.members[i].depth, i))
+        };
+        let chain_end = shallowest(
+            &mut open
+                .iter()
+                .copied()
+                .filter(|&i| self.members[i].children == 0 && self.members[i].depth < chain),
+        );
+        chain_end
+            .or_else(|| shallowest(&mut open.iter().copied()))
             .unwrap_or(self.leader)
     }
 
@@ -311,12 +336,17 @@ mod tests {
     fn followers_fill_the_tree_breadth_first_and_no_member_exceeds_the_fanout() {
         let d = Digest::sha256_of(b"layer");
         let t = Instant::now();
-        let sources = storm(&Leases::new(2), &d, 6, t);
+        let sources = storm(&Leases::with_chain(2, 0), &d, 6, t);
         // 0 feeds 1 and 2; 1 feeds 3 and 4; 2 feeds 5 and 6.
         assert_eq!(sources, ["0", "0", "1", "1", "2", "2"]);
 
         let chain = storm(&Leases::new(1), &d, 4, t);
         assert_eq!(chain, ["0", "1", "2", "3"]);
+
+        // A chain first, three hops here, then a second follower at the shallowest member,
+        // which starts a chain of its own.
+        let chained = storm(&Leases::with_chain(2, 3), &d, 6, t);
+        assert_eq!(chained, ["0", "1", "2", "0", "4", "5"]);
 
         let many = storm(&Leases::new(3), &d, 1_000, t);
         let mut per_source = HashMap::new();
@@ -339,7 +369,7 @@ mod tests {
         // 1 dies; 2 reports it and must not be sent to 3 or 4 (they wait for 2): the slot
         // 1 had at the leader is free.
         assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), t)), "0");
-        let leases = Leases::new(2);
+        let leases = Leases::with_chain(2, 0);
         storm(&leases, &d, 6, t);
         // 1 (feeding 3 and 4) dies: 3 takes its slot at the leader, 4 the next free one.
         assert_eq!(src(leases.claim(&d, &peer("3"), Some("1"), t)), "0");
@@ -352,7 +382,7 @@ mod tests {
 
     #[test]
     fn a_dead_leaders_first_reporter_leads_and_keeps_its_followers() {
-        let leases = Leases::new(2);
+        let leases = Leases::with_chain(2, 0);
         let d = Digest::sha256_of(b"layer");
         let t = Instant::now();
         storm(&leases, &d, 6, t);

@@ -7,7 +7,10 @@
 //! transfer containerd resumes elsewhere); a wrong guess costs at most one more upstream fetch.
 
 pub(crate) mod leases;
+pub(crate) mod relay;
 pub mod rendezvous;
+#[cfg(test)]
+mod tests;
 pub(crate) mod transfers;
 
 use std::collections::HashMap;
@@ -19,7 +22,9 @@ use crate::oci::Digest;
 use crate::routing::{ContentRouting, Peer};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing, Scope};
+use axum::response::Response;
 use leases::{Grant, LEASE, Leases};
+use relay::Received;
 use transfers::{Transfer, Transfers};
 
 /// A claim gets this long. Peer addresses are on the node network (well under a millisecond
@@ -29,6 +34,12 @@ use transfers::{Transfer, Transfers};
 /// take over 200 ms, and that node's second upstream fetch cost the cluster a quarter of
 /// the image.
 pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
+/// A relay's window of bytes containerd may not have written yet is kept this long after
+/// the last of them arrived.
+const WINDOW_KEPT: Duration = Duration::from_secs(30);
+/// A claim that failed this fast was refused (nothing listens there), not slow: worth asking
+/// the next coordinator, where a slow one would double the wait.
+const REFUSED_WITHIN: Duration = Duration::from_millis(200);
 /// A download on this node counts as in progress, for a second request of this node to
 /// share, if its file was written this recently; older ones are left by failed downloads.
 const SHARE_FRESH: Duration = Duration::from_secs(30);
@@ -61,6 +72,8 @@ struct Part {
     since: Instant,
     /// Peer IDs streaming from this node now, with how many streams each.
     followers: HashMap<String, usize>,
+    /// What this node receives as a follower, for its own followers (`relay.rs`).
+    received: Option<Arc<Received>>,
 }
 
 /// One digest in flight, as `ferry status` shows it.
@@ -156,17 +169,17 @@ impl Coalescer {
         };
         let coordinator = &coordinator;
         let failed_id = failed.map(|p| p.id.as_str());
-        let grant = if coordinator.id == me.id {
-            Some(self.leases.claim(digest, &me, failed_id, Instant::now()))
-        } else {
-            let sent = self.claims.claim(coordinator, digest, &me, failed_id);
-            let started = Instant::now();
-            let grant = tokio::time::timeout(CLAIM_TIMEOUT, sent).await;
-            if grant.is_err() {
-                tracing::info!(%digest, coordinator = %coordinator.id, waited_ms = started.elapsed().as_millis() as u64, "the coordinator did not answer a claim in time; fetching upstream");
+        let started = Instant::now();
+        let mut grant = self.ask(coordinator, digest, &me, failed_id).await;
+        let fallback = || self.leader_to_fall_back_on(digest, coordinator, failed);
+        if grant.is_none() && fallback().is_none() && started.elapsed() < REFUSED_WITHIN {
+            // Refused at once: the coordinator is gone (its node or its Ferry). Every node
+            // that finds it gone asks the same next one, so they still agree on one leader.
+            if let Some(backup) = self.backup_coordinator(digest, &me, coordinator) {
+                tracing::info!(%digest, coordinator = %coordinator.id, backup = %backup.id, "the coordinator is gone; claiming at the next one");
+                grant = self.ask(&backup, digest, &me, failed_id).await;
             }
-            grant.ok().flatten()
-        };
+        }
         let grant_missing = grant.is_none();
         let (decision, leader) = match grant {
             Some(Grant::Follow { source, leader }) if source.id != me.id => {
@@ -193,6 +206,7 @@ impl Coalescer {
                 leader: None,
                 since: Instant::now(),
                 followers: HashMap::new(),
+                received: None,
             });
             part.role = role;
             part.leader = leader;
@@ -207,6 +221,34 @@ impl Coalescer {
         self.count(role, result);
         tracing::debug!(%digest, coordinator = %coordinator.id, ?decision, "coalesce decision");
         decision
+    }
+
+    /// `coordinator`'s grant for this node's claim, or `None` when it cannot be had in time.
+    async fn ask(
+        &self,
+        coordinator: &Peer,
+        digest: &Digest,
+        me: &Peer,
+        failed: Option<&str>,
+    ) -> Option<Grant> {
+        if coordinator.id == me.id {
+            return Some(self.leases.claim(digest, me, failed, Instant::now()));
+        }
+        let sent = self.claims.claim(coordinator, digest, me, failed);
+        let started = Instant::now();
+        let grant = tokio::time::timeout(CLAIM_TIMEOUT, sent).await;
+        if grant.is_err() {
+            tracing::info!(%digest, coordinator = %coordinator.id, waited_ms = started.elapsed().as_millis() as u64, "the coordinator did not answer a claim in time");
+        }
+        grant.ok().flatten()
+    }
+
+    /// The coordinator when `gone` is: rendezvous hashing over the nodes this one knows,
+    /// itself included, without `gone`.
+    fn backup_coordinator(&self, digest: &Digest, me: &Peer, gone: &Peer) -> Option<Peer> {
+        let members = self.router.members();
+        let alive = members.iter().chain(std::iter::once(me));
+        rendezvous::coordinator(digest, alive.filter(|p| p.id != gone.id)).cloned()
     }
 
     /// The leader to follow when the coordinator cannot be asked again mid-download: the one
@@ -297,7 +339,42 @@ impl Coalescer {
     pub fn role(&self, digest: &Digest) -> Option<Role> {
         let mut parts = self.lock_parts();
         parts.retain(|_, p| p.since.elapsed() < LEASE || !p.followers.is_empty());
+        for part in parts.values_mut() {
+            if part
+                .received
+                .as_ref()
+                .is_some_and(|r| r.done_for(WINDOW_KEPT))
+            {
+                part.received = None;
+            }
+        }
         parts.get(digest).map(|p| p.role.clone())
+    }
+
+    /// `response`, this node's follow answer to its own containerd for `digest`, with what
+    /// it passes on kept for this node's own followers (`relay.rs`).
+    pub fn relaying(&self, digest: &Digest, response: Response) -> Response {
+        let Some(total) = relay::blob_total(&response) else {
+            return response;
+        };
+        let received = {
+            let mut parts = self.lock_parts();
+            let Some(part) = parts.get_mut(digest) else {
+                return response;
+            };
+            part.received
+                .get_or_insert_with(|| Arc::new(Received::new(total, 0)))
+                .clone()
+        };
+        if received.total() != total {
+            return response;
+        }
+        relay::tee(response, &received)
+    }
+
+    /// What this node receives of `digest` as a follower, if it follows it.
+    pub(crate) fn received(&self, digest: &Digest) -> Option<Arc<Received>> {
+        self.lock_parts().get(digest)?.received.clone()
     }
 
     /// Whether this node leads `digest` now.

@@ -12,7 +12,7 @@ use crate::registry::ResolveTags;
 use crate::trust::ClusterSecret;
 
 /// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 40] = [
+pub const KEYS: [(&str, &str); 41] = [
     ("containerd-socket", "/run/containerd/containerd.sock"),
     ("containerd-namespace", "k8s.io"),
     (
@@ -39,6 +39,7 @@ pub const KEYS: [(&str, &str); 40] = [
     ("coalesce", "true"),
     ("follow-timeout", "3s"),
     ("relay-fanout", "2"),
+    ("peer-upload-limit", ""),
     ("provide-ttl", "30m"),
     ("reprovide-interval", "10m"),
     ("p2p", "true"),
@@ -122,6 +123,8 @@ pub struct P2pSettings {
     pub coalesce: Option<Duration>,
     /// Followers one node streams a blob to at once; 0: all follow the leader.
     pub relay_fanout: usize,
+    /// Bytes per second this node sends other nodes at most; `None`: no limit.
+    pub peer_upload_limit: Option<u64>,
     pub provide_ttl: Duration,
     pub reprovide_interval: Duration,
     pub peer_connect_timeout: Duration,
@@ -349,6 +352,10 @@ fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, C
             .then(|| duration("follow-timeout", &value("follow-timeout")))
             .transpose()?,
         relay_fanout: relay_fanout(&value("relay-fanout"))?,
+        peer_upload_limit: match value("peer-upload-limit").as_str() {
+            "" | "0" => None,
+            v => Some(size("peer-upload-limit", v)?),
+        },
         provide_ttl,
         reprovide_interval,
         peer_connect_timeout: duration("peer-connect-timeout", &value("peer-connect-timeout"))?,

@@ -229,6 +229,11 @@ async fn follow(
         match got {
             Ok(response) => {
                 coalesce.count("follower", "served");
+                let response = if kind == Kind::Blob && !req.head {
+                    coalesce.relaying(digest, response)
+                } else {
+                    response
+                };
                 let what = format!("{ns}/{name}@{digest}");
                 tracing::debug!(%digest, source = %source.id, "following a download in progress");
                 return Ok(served_by(

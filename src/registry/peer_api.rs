@@ -24,6 +24,7 @@ use axum::http::{HeaderMap, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use futures::StreamExt;
 use hyper::upgrade::OnUpgrade;
 use tokio::sync::watch;
 
@@ -34,8 +35,10 @@ use super::peer::ClaimAnswer;
 use super::request::{self, Counting, Listener, Mirrored, Pull};
 use super::zero_copy;
 use super::{ApiError, Source};
+use crate::coalesce::relay::Relayed;
 use crate::coalesce::{Coalescer, Role};
 use crate::metrics::{Metrics, ReasonLabels};
+use crate::net::pace::{self, Pace};
 use crate::oci::Digest;
 use crate::oci::registry::Registries;
 use crate::oci::{ApiPath, Reference};
@@ -65,6 +68,9 @@ pub struct PeerApiState {
     pub integrity: Option<Arc<Integrity>>,
     /// Accept the zero-copy upgrade when the asker offers it (`zero_copy.rs`).
     pub zero_copy: bool,
+    /// Every answer's body paced to `--peer-upload-limit` (then no zero-copy: `sendfile`
+    /// bypasses the pacing).
+    pub(crate) upload_limit: Option<Arc<Pace>>,
 }
 
 impl std::fmt::Debug for PeerApiState {
@@ -95,11 +101,20 @@ pub(crate) fn router(state: PeerApiState) -> Router {
     };
     let api = Arc::new(PeerApi { state, local });
     let auth = middleware::from_fn_with_state(api.clone(), authorized);
-    let pulls = Router::new()
+    let mut pulls = Router::new()
         .fallback(handle)
         .layer(auth.clone())
-        .layer(middleware::from_fn_with_state(counting, request::counted))
-        .with_state(api.clone());
+        .layer(middleware::from_fn_with_state(counting, request::counted));
+    if let Some(pace) = api.state.upload_limit.clone() {
+        pulls = pulls.layer(middleware::map_response(move |response: Response| {
+            let pace = pace.clone();
+            async move {
+                let (parts, body) = response.into_parts();
+                Response::from_parts(parts, pace::paced(body, pace))
+            }
+        }));
+    }
+    let pulls = pulls.with_state(api.clone());
     Router::new()
         .route(&format!("{CLAIM_PATH}{{digest}}"), post(claim))
         .route_layer(auth)
@@ -151,8 +166,18 @@ async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
         (&api.state.coalesce, by_digest(&req.path), follower)
         && let Some(role) = coalesce.role_soon(digest).await
     {
-        let _serving = coalesce.serving(digest, follower);
-        return in_flight(api, coalesce, &req, digest, role).await;
+        let serving = coalesce.serving(digest, follower);
+        let response = in_flight(api, coalesce, &req, digest, role).await?;
+        // A follower is one while its body streams, not only while its answer is found.
+        let (parts, body) = response.into_parts();
+        let body = body.into_data_stream().map(move |chunk| {
+            let _ = &serving;
+            chunk
+        });
+        return Ok(Response::from_parts(
+            parts,
+            axum::body::Body::from_stream(body),
+        ));
     }
     if !exposed(&api.state, &req.path, req.ns.as_deref()) {
         return Err(match req.path {
@@ -168,7 +193,9 @@ async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
                 .await
         }
         ApiPath::Blob { digest, .. } => {
-            let offered = api.state.zero_copy && zero_copy::offered(&req.headers);
+            let offered = api.state.zero_copy
+                && api.state.upload_limit.is_none()
+                && zero_copy::offered(&req.headers);
             let zero_copy = req.upgrade.take().filter(|_| offered);
             stored_blob(api, &req, digest, zero_copy).await
         }
@@ -250,7 +277,13 @@ async fn in_flight(
         complete().await
     };
     let download = match landing {
-        Landing::InFlight(download) => download,
+        // A relay serves what it has received, not only what its containerd has written.
+        Landing::InFlight(ingest) => match (&role, coalesce.received(digest)) {
+            (Role::Follow(_), Some(received)) => {
+                Arc::new(Relayed { ingest, received }) as crate::store::downloads::InFlight
+            }
+            _ => ingest,
+        },
         // Committed meanwhile, or never started (then the follower goes elsewhere).
         Landing::Committed | Landing::Nothing => return settled().await,
     };

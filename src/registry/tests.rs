@@ -99,6 +99,7 @@ async fn call_at(
                 coalesce: None,
                 integrity: None,
                 zero_copy: true,
+                upload_limit: None,
             })
         }
     };

@@ -100,10 +100,15 @@ impl Net {
         all
     }
 
+    /// The bridge's end of namespace `ns`'s link (what it sends into `ns` leaves there).
+    pub fn bridge_side(ns: &str) -> String {
+        format!("v{}", ns.strip_prefix('f').unwrap_or(ns))
+    }
+
     /// A namespace with loopback up and one interface on the bridge at [`Net::host_ip`].
     pub fn add_host(&mut self, name: &str, host: u8) -> String {
         let ns = format!("f{name}{}", self.tag);
-        let outside = format!("v{name}{}", self.tag);
+        let outside = Net::bridge_side(&ns);
         ip(&["netns", "add", &ns]);
         self.namespaces.push(ns.clone());
         ip(&[

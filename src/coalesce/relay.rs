@@ -1,0 +1,378 @@
+//! What a relay serves its followers: its containerd's download, and the bytes its Ferry has
+//! passed on to containerd that containerd has not written yet. containerd fills a 1 MiB
+//! buffer before each write to its download, so a relay serving the download alone would hold
+//! every hop of a relay chain back by a mebibyte (seen: 0.2 s a hop at 50 Mbit/s, 0.7 s with
+//! four layers sharing the link; `docs/design/relays.md`).
+//!
+//! Invariant: the window holds only bytes of this blob that passed through this node, in
+//! order, at most [`WINDOW`] of them; a reader gets each byte once, from the download or the
+//! window, and ends in an error, never short.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{StatusCode, header};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::store::ByteStream;
+use crate::store::downloads::{Download, InFlight};
+
+/// The newest bytes kept: what containerd may hold unwritten (its 1 MiB buffer and a socket's
+/// worth), with room to spare. Bytes older than that are in the download.
+pub(crate) const WINDOW: u64 = 4 << 20;
+/// Bytes handed to a reader at a time.
+const CHUNK: usize = 256 << 10;
+/// How often a reader waiting at the window's end looks at the download too.
+const FILE_POLL: Duration = Duration::from_millis(50);
+
+/// The bytes of one blob this node is receiving as a follower, newest [`WINDOW`] of them.
+#[derive(Debug)]
+pub(crate) struct Received {
+    total: u64,
+    state: Mutex<Window>,
+    /// The end of what was received, for readers waiting for more.
+    end: watch::Sender<u64>,
+}
+
+#[derive(Debug)]
+struct Window {
+    /// The offset of the first byte of `chunks`.
+    start: u64,
+    chunks: VecDeque<Bytes>,
+    last: Instant,
+}
+
+impl Received {
+    pub(crate) fn new(total: u64, start: u64) -> Received {
+        Received {
+            total,
+            state: Mutex::new(Window {
+                start,
+                chunks: VecDeque::new(),
+                last: Instant::now(),
+            }),
+            end: watch::Sender::new(start),
+        }
+    }
+
+    pub(crate) fn total(&self) -> u64 {
+        self.total
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Window> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The end of what was received.
+    pub(crate) fn end(&self) -> u64 {
+        *self.end.borrow()
+    }
+
+    fn start(&self) -> u64 {
+        self.lock().start
+    }
+
+    /// A new transfer of the blob goes on from `offset` (containerd asked again with a Range,
+    /// from what it has). Bytes past it are dropped and come again, the same bytes; a gap
+    /// before it is in the download already.
+    pub(crate) fn resume_at(&self, offset: u64) {
+        let mut w = self.lock();
+        let end = self.end();
+        if offset < w.start || offset > end {
+            w.chunks.clear();
+            w.start = offset;
+        } else {
+            let mut keep = offset - w.start;
+            let mut kept = VecDeque::new();
+            for c in w.chunks.drain(..) {
+                if keep == 0 {
+                    break;
+                }
+                let take = (c.len() as u64).min(keep);
+                kept.push_back(c.slice(..take as usize));
+                keep -= take;
+            }
+            w.chunks = kept;
+        }
+        self.end.send_replace(offset);
+    }
+
+    fn push(&self, bytes: &Bytes) {
+        if bytes.is_empty() {
+            return;
+        }
+        let mut w = self.lock();
+        w.chunks.push_back(bytes.clone());
+        w.last = Instant::now();
+        let end = self.end() + bytes.len() as u64;
+        while let Some(front) = w.chunks.front() {
+            let after = w.start + front.len() as u64;
+            if end - after < WINDOW {
+                break;
+            }
+            w.start = after;
+            w.chunks.pop_front();
+        }
+        drop(w);
+        self.end.send_replace(end);
+    }
+
+    /// Up to `max` bytes from `pos`, if the window holds `pos`.
+    fn slice(&self, pos: u64, max: usize) -> Option<Bytes> {
+        let w = self.lock();
+        let mut at = w.start;
+        for c in &w.chunks {
+            let next = at + c.len() as u64;
+            if pos < next && pos >= at {
+                let from = (pos - at) as usize;
+                let to = c.len().min(from + max);
+                return Some(c.slice(from..to));
+            }
+            at = next;
+        }
+        None
+    }
+
+    fn received_within(&self, live: Duration) -> bool {
+        self.lock().last.elapsed() < live
+    }
+
+    /// Whether the whole blob was received longer ago than `ago` (then the window goes).
+    pub(crate) fn done_for(&self, ago: Duration) -> bool {
+        self.end() == self.total && !self.received_within(ago)
+    }
+}
+
+/// `response` (a follow answer to this node's containerd), with every byte it passes on kept
+/// in `received`; unchanged when it is not a blob body (a whole one, or a range to the end).
+pub(crate) fn tee(response: Response, received: &Arc<Received>) -> Response {
+    let start = match response.status() {
+        StatusCode::OK => 0,
+        StatusCode::PARTIAL_CONTENT => match content_range_start(&response) {
+            Some(start) => start,
+            None => return response,
+        },
+        _ => return response,
+    };
+    received.resume_at(start);
+    let received = received.clone();
+    let (parts, body) = response.into_parts();
+    let body = body.into_data_stream().map(move |chunk| {
+        if let Ok(bytes) = &chunk {
+            received.push(bytes);
+        }
+        chunk
+    });
+    Response::from_parts(parts, Body::from_stream(body))
+}
+
+/// The size a follow answer says the blob has: `Content-Range`'s total, or the length of a
+/// whole answer.
+pub(crate) fn blob_total(response: &Response) -> Option<u64> {
+    let headers = response.headers();
+    if response.status() == StatusCode::PARTIAL_CONTENT {
+        let range = headers.get(header::CONTENT_RANGE)?.to_str().ok()?;
+        return range.rsplit('/').next()?.parse().ok();
+    }
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+fn content_range_start(response: &Response) -> Option<u64> {
+    let range = response
+        .headers()
+        .get(header::CONTENT_RANGE)?
+        .to_str()
+        .ok()?;
+    let range = range.strip_prefix("bytes ")?;
+    range.split('-').next()?.parse().ok()
+}
+
+/// A relay's download as its followers read it: containerd's, then the window.
+#[derive(Debug)]
+pub(crate) struct Relayed {
+    pub(crate) ingest: InFlight,
+    pub(crate) received: Arc<Received>,
+}
+
+#[async_trait::async_trait]
+impl Download for Relayed {
+    fn total(&self) -> u64 {
+        self.ingest.total()
+    }
+
+    async fn landed(&self) -> Option<u64> {
+        let landed = self.ingest.landed().await?;
+        Some(landed.max(self.received.end()))
+    }
+
+    async fn written_within(&self, live: Duration) -> bool {
+        self.received.received_within(live) || self.ingest.written_within(live).await
+    }
+
+    async fn read_from(&self, offset: u64, idle: Duration) -> std::io::Result<ByteStream> {
+        let reader = Reader {
+            ingest: self.ingest.clone(),
+            received: self.received.clone(),
+            end: self.received.end.subscribe(),
+            file: None,
+            pos: offset,
+            total: self.ingest.total(),
+            idle,
+        };
+        Ok(Box::pin(futures::stream::unfold(
+            Some(reader),
+            |reader| async move {
+                let mut reader = reader?;
+                match reader.next().await {
+                    Ok(Some(chunk)) => Some((Ok(chunk), Some(reader))),
+                    Ok(None) => None,
+                    Err(e) => Some((Err(e), None)),
+                }
+            },
+        )))
+    }
+}
+
+struct Reader {
+    ingest: InFlight,
+    received: Arc<Received>,
+    end: watch::Receiver<u64>,
+    /// The download, read from `pos`; dropped when the window serves (its place is stale).
+    file: Option<ByteStream>,
+    pos: u64,
+    total: u64,
+    idle: Duration,
+}
+
+impl Reader {
+    async fn next(&mut self) -> std::io::Result<Option<Bytes>> {
+        let mut waited_since = Instant::now();
+        loop {
+            if self.pos >= self.total {
+                return Ok(None);
+            }
+            if let Some(bytes) = self.received.slice(self.pos, CHUNK) {
+                self.file = None;
+                self.pos += bytes.len() as u64;
+                return Ok(Some(bytes));
+            }
+            if let Some(file) = self.file.as_mut() {
+                tokio::select! {
+                    chunk = file.next() => match chunk {
+                        Some(Ok(bytes)) => {
+                            self.pos += bytes.len() as u64;
+                            return Ok(Some(bytes));
+                        }
+                        Some(Err(e)) => return Err(e),
+                        None => return Ok(None),
+                    },
+                    // More received: the window may hold `pos` now.
+                    _ = self.end.changed() => continue,
+                }
+            }
+            // Older than the window, or written by containerd from elsewhere (this node's
+            // transfer ended and containerd went on without it): the download has it.
+            let in_file = self.ingest.landed().await.is_some_and(|l| l > self.pos);
+            if in_file || self.pos < self.received.start() {
+                self.file = Some(self.ingest.read_from(self.pos, self.idle).await?);
+                continue;
+            }
+            if waited_since.elapsed() >= self.idle {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the relayed download made no progress",
+                ));
+            }
+            if let Ok(Ok(())) = tokio::time::timeout(FILE_POLL, self.end.changed()).await {
+                waited_since = Instant::now();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::oci::Digest;
+    use crate::store::ContentStore;
+    use crate::store::downloads::Scope;
+    use crate::store::memory::MemoryStore;
+
+    fn blob() -> Vec<u8> {
+        (0..(10u32 << 20)).map(|i| (i % 251) as u8).collect()
+    }
+
+    async fn read_all(stream: ByteStream) -> Vec<u8> {
+        let chunks: Vec<Bytes> = stream.map(|c| c.unwrap()).collect().await;
+        chunks.concat()
+    }
+
+    #[tokio::test]
+    async fn a_follower_reads_the_download_then_what_containerd_has_not_written() {
+        let data = blob();
+        let digest = Digest::sha256_of(&data);
+        let store = MemoryStore::new();
+        let writer = store.start_download(&digest, data.len() as u64);
+        let ingest = store.downloads(&digest, Scope::Namespace).await.remove(0);
+        let received = Arc::new(Received::new(data.len() as u64, 0));
+        let relayed = Relayed {
+            ingest,
+            received: received.clone(),
+        };
+        // containerd has written the first 5 MiB; this node has received 7 MiB.
+        writer.append(&data[..5 << 20]);
+        for c in data[..7 << 20].chunks(64 << 10) {
+            received.push(&Bytes::copy_from_slice(c));
+        }
+        let reader = relayed
+            .read_from(1 << 20, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let reading = tokio::spawn(read_all(reader));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The rest arrives, and containerd writes it all in the end.
+        for c in data[7 << 20..].chunks(64 << 10) {
+            received.push(&Bytes::copy_from_slice(c));
+        }
+        writer.append(&data[5 << 20..]);
+        writer.commit();
+        let got = reading.await.unwrap();
+        assert_eq!(got.len(), data.len() - (1 << 20));
+        assert!(got == data[1 << 20..], "the bytes, in order, each once");
+    }
+
+    #[tokio::test]
+    async fn the_window_keeps_only_the_newest_bytes_and_a_resume_continues_it() {
+        let received = Received::new(20 << 20, 0);
+        let data = blob();
+        for c in data.chunks(256 << 10) {
+            received.push(&Bytes::copy_from_slice(c));
+        }
+        assert_eq!(received.end(), 10 << 20);
+        assert!(
+            received.slice(0, CHUNK).is_none(),
+            "old bytes are in the download"
+        );
+        let at = (10 << 20) - WINDOW;
+        assert_eq!(
+            received.slice(at, 10).unwrap()[..],
+            data[at as usize..][..10]
+        );
+        // containerd asks again from 9 MiB: what is past it comes again.
+        received.resume_at(9 << 20);
+        assert_eq!(received.end(), 9 << 20);
+        assert!(received.slice(9 << 20, 1).is_none());
+        assert_eq!(received.slice((9 << 20) - 1, 5).unwrap().len(), 1);
+    }
+}
