@@ -18,11 +18,6 @@ pub(crate) const MAX_CONNECTIONS: usize = 2048;
 /// buffer).
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 
-/// Unsent bytes a connection's socket holds at most. A relay's bytes wait in containerd's
-/// download, where the next follower can be served them at once, not in a socket buffer that
-/// grows to megabytes: each hop of a relay chain would lag by that much (docs/design/relays.md).
-const NOTSENT_LOWAT: u32 = 128 << 10;
-
 /// A TCP listener that accepts at most `limit` connections at a time.
 #[derive(Debug)]
 pub struct LimitedListener {
@@ -56,7 +51,6 @@ impl axum::serve::Listener for LimitedListener {
         let permit = self.permits.clone().acquire_owned().await.ok();
         let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
         let _ = stream.set_nodelay(true);
-        let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(NOTSENT_LOWAT);
         (
             LimitedStream {
                 inner: stream,
