@@ -37,6 +37,8 @@ pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
 /// A relay's window of bytes containerd may not have written yet is kept this long after
 /// the last of them arrived.
 const WINDOW_KEPT: Duration = Duration::from_secs(30);
+/// A window that received nothing this long belongs to a transfer that ended elsewhere.
+const WINDOW_STALE: Duration = Duration::from_secs(120);
 /// A claim that failed this fast was refused (nothing listens there), not slow: worth asking
 /// the next coordinator, where a slow one would double the wait.
 const REFUSED_WITHIN: Duration = Duration::from_millis(200);
@@ -343,7 +345,7 @@ impl Coalescer {
             if part
                 .received
                 .as_ref()
-                .is_some_and(|r| r.done_for(WINDOW_KEPT))
+                .is_some_and(|r| r.spent(WINDOW_KEPT, WINDOW_STALE))
             {
                 part.received = None;
             }

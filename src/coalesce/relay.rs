@@ -143,9 +143,11 @@ impl Received {
         self.lock().last.elapsed() < live
     }
 
-    /// Whether the whole blob was received longer ago than `ago` (then the window goes).
-    pub(crate) fn done_for(&self, ago: Duration) -> bool {
-        self.end() == self.total && !self.received_within(ago)
+    /// Whether the window can go: the whole blob was received longer ago than `done`, or
+    /// nothing was for `stale` (a transfer that ended and was not resumed here).
+    pub(crate) fn spent(&self, done: Duration, stale: Duration) -> bool {
+        let quiet_for = |d| !self.received_within(d);
+        (self.end() == self.total && quiet_for(done)) || quiet_for(stale)
     }
 }
 
@@ -350,6 +352,47 @@ mod tests {
         let got = reading.await.unwrap();
         assert_eq!(got.len(), data.len() - (1 << 20));
         assert!(got == data[1 << 20..], "the bytes, in order, each once");
+    }
+
+    #[tokio::test]
+    async fn a_follower_ahead_of_the_relay_waits_for_its_bytes_and_gives_up_after_idle() {
+        let data = blob();
+        let digest = Digest::sha256_of(&data);
+        let store = MemoryStore::new();
+        let _writer = store.start_download(&digest, data.len() as u64);
+        let ingest = store.downloads(&digest, Scope::Namespace).await.remove(0);
+        let received = Arc::new(Received::new(data.len() as u64, 0));
+        let relayed = Relayed {
+            ingest,
+            received: received.clone(),
+        };
+        received.push(&Bytes::copy_from_slice(&data[..1 << 20]));
+        // Asked from 2 MiB, which this relay has not received yet: it waits for it.
+        let mut reader = relayed
+            .read_from(2 << 20, Duration::from_millis(300))
+            .await
+            .unwrap();
+        let feed = {
+            let received = received.clone();
+            let data = data.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                received.push(&Bytes::copy_from_slice(&data[1 << 20..3 << 20]));
+            })
+        };
+        let first = reader.next().await.unwrap().unwrap();
+        assert_eq!(first[..], data[2 << 20..][..first.len()]);
+        feed.await.unwrap();
+        // Then nothing more arrives: an error after the idle bound, never a short blob.
+        let mut got = first.len();
+        let end = loop {
+            match reader.next().await {
+                Some(Ok(chunk)) => got += chunk.len(),
+                other => break other,
+            }
+        };
+        assert_eq!(got, 1 << 20, "all it had, from 2 MiB to 3 MiB");
+        assert!(matches!(end, Some(Err(_))), "{end:?}");
     }
 
     #[tokio::test]
