@@ -1,8 +1,7 @@
 //! What a relay serves its followers: its containerd's download, and the bytes its Ferry has
 //! passed on to containerd that containerd has not written yet. containerd fills a 1 MiB
-//! buffer before each write to its download, so a relay serving the download alone would hold
-//! every hop of a relay chain back by a mebibyte (seen: 0.2 s a hop at 50 Mbit/s, 0.7 s with
-//! four layers sharing the link; `docs/design/relays.md`).
+//! buffer before each write to its download, so the download alone would hold every hop of a
+//! relay chain back by a mebibyte (measured in `docs/design/relays.md`).
 //!
 //! Invariant: the window holds only bytes of this blob that passed through this node, in
 //! order, at most [`WINDOW`] of them; a reader gets each byte once, from the download or the

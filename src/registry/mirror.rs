@@ -12,12 +12,10 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::State;
 use axum::http::header;
 use axum::middleware;
 use axum::response::Response;
-use futures::StreamExt;
 
 use super::in_flight::{self, Opened};
 use super::local::Local;
@@ -408,15 +406,10 @@ async fn share(
 
 /// `response`, with `transfer` kept alive until its body has been sent.
 fn keep(response: Response, transfer: Option<Transfer>) -> Response {
-    let Some(transfer) = transfer else {
-        return response;
-    };
-    let (parts, body) = response.into_parts();
-    let body = body.into_data_stream().map(move |chunk| {
-        let _ = &transfer;
-        chunk
-    });
-    Response::from_parts(parts, Body::from_stream(body))
+    match transfer {
+        Some(transfer) => request::holding(response, transfer),
+        None => response,
+    }
 }
 
 /// Keeps an answer among the recent pulls (`ferry status`; HEADs are containerd's existence

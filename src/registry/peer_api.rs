@@ -24,7 +24,6 @@ use axum::http::{HeaderMap, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use futures::StreamExt;
 use hyper::upgrade::OnUpgrade;
 use tokio::sync::watch;
 
@@ -169,15 +168,7 @@ async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
         let serving = coalesce.serving(digest, follower);
         let response = in_flight(api, coalesce, &req, digest, role).await?;
         // A follower is one while its body streams, not only while its answer is found.
-        let (parts, body) = response.into_parts();
-        let body = body.into_data_stream().map(move |chunk| {
-            let _ = &serving;
-            chunk
-        });
-        return Ok(Response::from_parts(
-            parts,
-            axum::body::Body::from_stream(body),
-        ));
+        return Ok(request::holding(response, serving));
     }
     if !exposed(&api.state, &req.path, req.ns.as_deref()) {
         return Err(match req.path {

@@ -4,6 +4,8 @@
 //! and comes back up; the policy never calls back into them.
 
 use std::sync::Arc;
+
+use futures::StreamExt;
 use std::time::Instant;
 
 use axum::extract::{FromRequestParts, Request, State};
@@ -112,6 +114,17 @@ impl Listener {
 pub(super) struct Counting {
     pub listener: Listener,
     pub metrics: Arc<Metrics>,
+}
+
+/// `response`, with `guard` kept alive until its body has been sent (a transfer, a follower
+/// being served: what must last as long as the stream, not the handler).
+pub(super) fn holding<T: Send + 'static>(response: Response, guard: T) -> Response {
+    let (parts, body) = response.into_parts();
+    let body = body.into_data_stream().map(move |chunk| {
+        let _ = &guard;
+        chunk
+    });
+    Response::from_parts(parts, axum::body::Body::from_stream(body))
 }
 
 /// A policy's answer as a response: marked [`Source::Local`] when the policy set no source
