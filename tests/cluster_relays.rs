@@ -67,6 +67,36 @@ fn followers_relay_and_a_relay_that_dies_or_stalls_costs_no_pull() {
         "leaders streamed {led} B of {layers} B of layers"
     );
 
+    // 1b. The kubelet's way (CRI PullImage), every node at once: the same.
+    let (image, reference) = new_image(&c, dir, "relayed-cri");
+    let since = c.registry.requests().len();
+    let relayed0 = sum(&c.nodes, "ferry_relayed_bytes_total");
+    let barrier = std::sync::Barrier::new(c.nodes.len());
+    std::thread::scope(|s| {
+        let pulls: Vec<_> = c
+            .nodes
+            .iter()
+            .map(|node| {
+                let (barrier, reference) = (&barrier, &reference);
+                s.spawn(move || {
+                    barrier.wait();
+                    node.cri_pull(reference)
+                })
+            })
+            .collect();
+        for (node, pull) in c.nodes.iter().zip(pulls) {
+            if let Err(out) = pull.join().unwrap() {
+                panic!("{}'s CRI pull failed with relays:\n{out}", node.name);
+            }
+        }
+    });
+    each_fetched_once(&c.registry, since, &image, "relayed CRI storm");
+    all_content_right(&c.nodes.iter().collect::<Vec<_>>(), &image);
+    assert!(
+        sum(&c.nodes, "ferry_relayed_bytes_total") > relayed0,
+        "no follower relayed"
+    );
+
     // 2. A relay's Ferry is killed mid-blob: its follower's transfer is cut, containerd asks
     //    again with a Range, and Ferry re-attaches it (the dead relay reported) elsewhere.
     let (image, reference) = new_image(&c, dir, "relay-killed");
