@@ -3,8 +3,8 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
-use ferry::cli::{Cli, Command, WaitCleanupArgs};
+use ferry::app::AppError;
+use ferry::cli::{Cli, Command, LoadError, WaitCleanupArgs};
 use ferry::config::{Config, LogFormat};
 use ferry::containerd_config::{self, Action};
 
@@ -13,18 +13,19 @@ const EXIT_CONFIG: u8 = 64;
 const EXIT_FAILURE: u8 = 1;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if matches!(cli.command, Command::Version) {
-        println!("ferry {}", env!("CARGO_PKG_VERSION"));
-        return ExitCode::SUCCESS;
-    }
-    let config = match Config::load(&cli.flags) {
-        Ok(c) => c,
-        Err(e) => {
+    let cli = match Cli::load(std::env::args_os()) {
+        Ok(cli) => cli,
+        Err(LoadError::Usage(e)) => e.exit(),
+        Err(LoadError::Config(e)) => {
             eprintln!("ferry: invalid configuration: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    if matches!(cli.command, Command::Version) {
+        println!("ferry {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
+    let config = cli.settings;
     init_logging(&config);
     let result = match &cli.command {
         Command::Run => run(config),
@@ -36,6 +37,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if matches!(e.downcast_ref(), Some(AppError::Secret(_))) => {
+            eprintln!("ferry: invalid configuration: {e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
         Err(e) => {
             tracing::error!("{e:#}");
             eprintln!("ferry: {e:#}");
@@ -79,7 +84,7 @@ async fn shutdown_signal() {
 
 fn wait_cleanup(args: &WaitCleanupArgs) -> anyhow::Result<()> {
     use ferry::kubernetes::{self, cleanup_wait};
-    let timeout = ferry::config::duration("timeout", &args.timeout)?;
+    let timeout = args.timeout;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let client = kubernetes::client().await?;
@@ -93,7 +98,7 @@ fn wait_cleanup(args: &WaitCleanupArgs) -> anyhow::Result<()> {
             cleanup_wait::Finished::Done => Ok(()),
             cleanup_wait::Finished::GaveUp => anyhow::bail!(
                 "cleanup did not finish on every node within {}; its DaemonSet was deleted (nodes it did not reach keep Ferry's hosts.toml entries: run `ferry cleanup` there)",
-                args.timeout
+                humantime::format_duration(timeout)
             ),
         }
     })

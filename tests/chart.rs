@@ -574,3 +574,57 @@ fn relay_fanout_and_the_upload_limit_reach_ferrys_flags() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
 }
+
+/// Every flag and variable the chart gives Ferry is one Ferry takes, in each mode: the
+/// rendered arguments (with the downward API's values filled in) pass `ferry configure`.
+#[test]
+fn the_daemonsets_arguments_are_settings_ferry_accepts() {
+    for set in [
+        &[][..],
+        &["hostNetwork=false"],
+        &[
+            "relayFanout=0",
+            "peerUploadLimit=50MiB",
+            "debugPage.enabled=true",
+        ],
+    ] {
+        for ip in ["10.0.0.5", "fd00::5"] {
+            let objects = render(set);
+            let container = &ferry_daemonset(&objects)["spec"]["template"]["spec"]["containers"][0];
+            let mut env: Vec<(String, String)> = Vec::new();
+            for var in container["env"].as_array().into_iter().flatten() {
+                let name = var["name"].as_str().unwrap().to_string();
+                let value = match var["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
+                    Some("spec.nodeName") => "node-1".to_string(),
+                    Some("metadata.namespace") => "ferry".to_string(),
+                    Some(_) => ip.to_string(),
+                    None => var["value"].as_str().unwrap_or_default().to_string(),
+                };
+                env.push((name, value));
+            }
+            let expand = |arg: &str| {
+                env.iter().fold(arg.to_string(), |a, (k, v)| {
+                    a.replace(&format!("$({k})"), v)
+                })
+            };
+            let args: Vec<String> = container["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .skip(1)
+                .map(|a| expand(a.as_str().unwrap()))
+                .collect();
+            let tmp = tempfile::tempdir().unwrap();
+            let hosts = tmp.path().join("certs.d");
+            let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+                .arg("configure")
+                .args(&args)
+                .args(["--hosts-dir", hosts.to_str().unwrap()])
+                .args(["--containerd-socket", "/nonexistent/containerd.sock"])
+                .envs(env.iter().map(|(k, v)| (k, v)))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{set:?} {ip}: {args:?}: {out:?}");
+        }
+    }
+}

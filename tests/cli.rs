@@ -180,6 +180,8 @@ fn bad_values_exit_64_with_one_line_naming_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("ferry.toml");
     std::fs::write(&file, "log-format = \"yaml\"\n").unwrap();
+    let short_secret = tmp.path().join("secret");
+    std::fs::write(&short_secret, "short").unwrap();
     type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
     let cases: Vec<Case> = vec![
         (
@@ -221,6 +223,26 @@ fn bad_values_exit_64_with_one_line_naming_the_key() {
             vec!["run", "--registries", "https://docker.io"],
             vec![],
             "registries",
+        ),
+        // Read at start-up, not while parsing, and still reported as a bad value.
+        (
+            vec![
+                "run",
+                "--cluster-secret-file",
+                short_secret.to_str().unwrap(),
+            ],
+            vec![],
+            "cluster-secret-file",
+        ),
+        (
+            vec!["configure"],
+            vec![("FERRY_RELAY_FANOUT", "lots")],
+            "relay-fanout",
+        ),
+        (
+            vec!["wait-cleanup", "--daemonset", "x", "--timeout", "soon"],
+            vec![],
+            "timeout",
         ),
     ];
     for (args, env, key) in cases {
@@ -310,7 +332,8 @@ fn version_prints_the_crate_version() {
 fn documented_config_file_parses_and_lists_every_key() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/ferry.toml");
     let text = std::fs::read_to_string(&path).unwrap();
-    for (key, default) in ferry::config::KEYS {
+    let keys = ferry::config::Config::keys();
+    for (key, default) in &keys {
         assert!(
             text.contains(&format!("# {key} = \"{default}\"")),
             "config/ferry.toml does not document {key} with its default {default:?}"
@@ -333,11 +356,7 @@ fn documented_config_file_parses_and_lists_every_key() {
     let uncommented: String = text
         .lines()
         .filter_map(|l| l.strip_prefix("# ").filter(|l| l.contains(" = \"")))
-        .filter(|l| {
-            ferry::config::KEYS
-                .iter()
-                .any(|(k, _)| l.starts_with(&format!("{k} =")))
-        })
+        .filter(|l| keys.iter().any(|(k, _)| l.starts_with(&format!("{k} ="))))
         .map(|l| format!("{l}\n"))
         .collect();
     let all = tmp.path().join("all.toml");

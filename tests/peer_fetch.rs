@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ferry::app::{Listeners, PeerSetup, Peering, serve};
-use ferry::cli::Flags;
+use ferry::cli::settings;
 use ferry::config::{Config, Registries, RegistryFilters};
 use ferry::oci::manifest::OCI_MANIFEST;
 use ferry::registry::ResolveTags;
@@ -36,15 +36,19 @@ struct Running {
     task: tokio::task::JoinHandle<()>,
 }
 
-fn config(dir: &std::path::Path) -> Config {
-    let flags = Flags {
-        hosts_dir: Some(dir.join("certs.d").to_str().unwrap().into()),
-        data_dir: Some(dir.join("data").to_str().unwrap().into()),
-        containerd_config: Some("/nonexistent".into()),
-        advertise_addr: Some("127.0.0.1".into()),
-        ..Flags::default()
-    };
-    Config::load(&flags).unwrap()
+fn config(dir: &std::path::Path, more: &[&str]) -> Config {
+    let (hosts, data) = (dir.join("certs.d"), dir.join("data"));
+    let args = [
+        "--hosts-dir",
+        hosts.to_str().unwrap(),
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--containerd-config",
+        "/nonexistent",
+        "--advertise-addr",
+        "127.0.0.1",
+    ];
+    settings(args.iter().chain(more).copied()).unwrap()
 }
 
 async fn bind() -> TcpListener {
@@ -54,15 +58,6 @@ async fn bind() -> TcpListener {
 async fn run_node(
     dir: &std::path::Path,
     store: Arc<MemoryStore>,
-    peering: impl FnOnce(SocketAddr) -> Peering,
-) -> Running {
-    run_node_with_secret(dir, store, None, peering).await
-}
-
-async fn run_node_with_secret(
-    dir: &std::path::Path,
-    store: Arc<MemoryStore>,
-    secret: Option<ClusterSecret>,
     peering: impl FnOnce(SocketAddr) -> Peering,
 ) -> Running {
     let (mirror, peer, ops) = (bind().await, bind().await, bind().await);
@@ -79,8 +74,7 @@ async fn run_node_with_secret(
         ops,
     };
     let shutdown = stop.clone().cancelled_owned();
-    let mut config = config(dir);
-    config.cluster_secret = secret;
+    let config = config(dir, &[]);
     let holds_images = !ferry::store::ContentStore::images(store.as_ref())
         .await
         .unwrap_or_default()
@@ -163,24 +157,25 @@ fn p2p_setup(
     bootstrap: Option<SocketAddr>,
     secret: Option<ClusterSecret>,
 ) -> Peering {
-    let mut flags = Flags {
-        advertise_addr: Some("127.0.0.1".into()),
-        peer_addr: Some(http.to_string()),
-        p2p_addr: Some(p2p.to_string()),
-        resolve_timeout: Some("2s".into()),
-        // There is no registry here at all: tags resolve through peers, as air-gapped.
-        resolve_tags: Some("always".into()),
-        ..Flags::default()
-    };
-    if let Some(b) = bootstrap {
-        flags.bootstrap_peers = Some(b.to_string());
-    }
-    let mut config = config(dir);
-    let settings = Config::load(&flags).unwrap().p2p.unwrap();
-    config.cluster_secret = secret;
-    Peering::P2p(Box::new(
-        PeerSetup::from_settings(&config, &settings).unwrap(),
-    ))
+    let (http, p2p) = (http.to_string(), p2p.to_string());
+    let bootstrap = bootstrap.map(|b| b.to_string()).unwrap_or_default();
+    let config = config(
+        dir,
+        &[
+            "--peer-addr",
+            &http,
+            "--p2p-addr",
+            &p2p,
+            "--bootstrap-peers",
+            &bootstrap,
+            "--resolve-timeout",
+            "2s",
+            // There is no registry here at all: tags resolve through peers, as air-gapped.
+            "--resolve-tags",
+            "always",
+        ],
+    );
+    Peering::P2p(Box::new(PeerSetup::from_settings(&config, secret).unwrap()))
 }
 
 /// Peering through an in-memory router, as node `id` of `network`.
@@ -216,6 +211,7 @@ fn memory_peering_verifying(
             filters: RegistryFilters::default(),
             interval: Duration::from_secs(3600),
         },
+        secret: None,
     }
 }
 
@@ -240,7 +236,7 @@ async fn a_local_miss_is_served_by_the_node_that_has_it_over_real_libp2p() {
         |name: &'static str, store: Arc<MemoryStore>, p2p: SocketAddr, seed: Option<SocketAddr>| {
             let dir = tmp.path().join(name);
             async move {
-                run_node_with_secret(&dir.clone(), store, secret(), |http| {
+                run_node(&dir.clone(), store, |http| {
                     p2p_setup(&dir, http, p2p, seed, secret())
                 })
                 .await

@@ -34,6 +34,7 @@ use crate::registry::{self, MirrorState, PeerApiState, ResolveTags, UpstreamWatc
 use crate::routing::sync;
 use crate::store::ContentStore;
 use crate::store::containerd::ContainerdStore;
+use crate::trust::{ClusterSecret, SecretError};
 use node::Node;
 
 /// How long in-flight requests may run on after SIGTERM before they are cut off.
@@ -49,11 +50,18 @@ pub enum AppError {
     },
     #[error("cannot write the containerd hosts config")]
     Hosts(#[from] containerd_config::dir::DirError),
+    /// Named like a configuration error: the file is a setting's value.
+    #[error("cluster-secret-file: {0}")]
+    Secret(#[from] SecretError),
 }
 
 /// Runs the daemon until `shutdown` resolves.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), AppError> {
     let started = Instant::now();
+    let secret = match &config.cluster_secret_file {
+        Some(path) => Some(ClusterSecret::load(path)?),
+        None => None,
+    };
     let mirror = bind(config.mirror_addr)?;
     if !config.mirror_addr.ip().is_loopback() {
         tracing::warn!(
@@ -74,7 +82,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         "mirror listening and containerd hosts config written"
     );
     let ops = bind(config.metrics_addr)?;
-    let (peering, peer) = bind_peers(&config);
+    let (peering, peer) = bind_peers(&config, secret);
     let listeners = Listeners { mirror, peer, ops };
     serve(config, store, listeners, peering, shutdown).await;
     Ok(())
@@ -86,18 +94,15 @@ fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {
 
 /// Peer-to-peer is an addition to the mirror: if its listener cannot be bound, this node
 /// serves its own content alone rather than not at all.
-fn bind_peers(config: &Config) -> (Peering, Option<TcpListener>) {
-    let Some(setup) = config
-        .p2p
-        .as_ref()
-        .and_then(|s| PeerSetup::from_settings(config, s))
-    else {
+fn bind_peers(config: &Config, secret: Option<ClusterSecret>) -> (Peering, Option<TcpListener>) {
+    let setup = config.p2p.then(|| PeerSetup::from_settings(config, secret));
+    let Some(setup) = setup.flatten() else {
         return (Peering::Off, None);
     };
     let addr = setup.p2p.peer_http_addr;
     match bind(addr) {
         Ok(listener) => {
-            if config.cluster_secret.is_some() {
+            if setup.secret.is_some() {
                 tracing::info!(peer_addr = %addr, "private peer network: peers need the cluster secret");
             } else {
                 tracing::warn!(
@@ -176,7 +181,7 @@ pub async fn serve(
             store: node.store.clone(),
             registries: config.registries.clone(),
             metrics: node.metrics.clone(),
-            secret: config.cluster_secret.clone(),
+            secret: peers.as_ref().and_then(|p| p.secret.clone()),
             exposed: exposed.clone(),
             coalesce: coalesce.clone(),
             integrity: peers.as_ref().map(|p| {
@@ -185,9 +190,7 @@ pub async fn serve(
             }),
             zero_copy: peers.as_ref().is_some_and(|p| p.fetch.zero_copy),
             upload_limit: config
-                .p2p
-                .as_ref()
-                .and_then(|p| p.peer_upload_limit)
+                .peer_upload_limit
                 .map(|rate| Arc::new(Pace::new(rate))),
         };
         node.spawn_server("peer", listener, registry::peer_api::router(peer_api));
@@ -202,7 +205,7 @@ pub async fn serve(
         exposed: peers.as_ref().map(|_| exposed),
         coalesce,
         debug_page: config.debug_page,
-        node: config.kubernetes.node_name.clone(),
+        node: config.node_name.clone(),
     };
     node.spawn_server("ops", listeners.ops, ops::router(sources));
     node.spawn_loops(&config, peers, exposed_tx);

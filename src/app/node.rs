@@ -36,7 +36,7 @@ impl Node {
     /// The API client (local files only: no request to the API server yet), and the loops
     /// that lift the node's ready taint and report configuration problems as Node events.
     pub(super) async fn kubernetes(&self, config: &Config) -> Option<kube::Client> {
-        if !config.kubernetes.enabled() {
+        if !config.uses_kubernetes() {
             return None;
         }
         let client = match kubernetes::client().await {
@@ -46,10 +46,10 @@ impl Node {
                 return None;
             }
         };
-        if let Some(node) = &config.kubernetes.node_name {
+        if let Some(node) = &config.node_name {
             let taint = TaintConfig {
                 node: node.clone(),
-                key: config.kubernetes.ready_taint.clone(),
+                key: config.ready_taint.clone(),
             };
             let (readiness, token) = (self.readiness.clone(), self.token.clone());
             let remove =
@@ -73,7 +73,7 @@ impl Node {
         peers: Option<&Peers>,
     ) -> Option<Arc<PeerFetcher>> {
         let peers = peers?;
-        let secret = config.cluster_secret.clone();
+        let secret = peers.secret.clone();
         let (metrics, store) = (self.metrics.clone(), self.store.clone());
         let fetcher = match PeerFetcher::new(
             peers.router.clone(),
@@ -134,6 +134,11 @@ impl Node {
     ) {
         let (readiness, problems, token) = (&self.readiness, &self.problems, &self.token);
         if let Some(peers) = peers {
+            if let (Some(path), Some(secret)) = (&config.cluster_secret_file, peers.secret) {
+                let path = path.clone();
+                let watched = watch::watch_secret(path, secret, problems.clone(), token.clone());
+                self.tracker.spawn(watched);
+            }
             let router = peers.router;
             readiness
                 .waiting_for_peers
@@ -149,11 +154,6 @@ impl Node {
             let metrics = self.metrics.clone();
             let advertise = sync::run(store, router, peers.sync, metrics, exposed, token.clone());
             self.tracker.spawn(advertise);
-        }
-        if let (Some(path), Some(secret)) = (&config.cluster_secret_file, &config.cluster_secret) {
-            let (path, secret) = (path.clone(), secret.clone());
-            let watched = watch::watch_secret(path, secret, problems.clone(), token.clone());
-            self.tracker.spawn(watched);
         }
         let (store, metrics) = (self.store.clone(), self.metrics.clone());
         let health = watch::watch_containerd(store, readiness.clone(), metrics, token.clone());

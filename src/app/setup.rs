@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::coalesce::CoalesceConfig;
-use crate::config::{Config, DEFAULT_PEER_PORT, P2pSettings};
+use crate::config::{Config, DEFAULT_PEER_PORT};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap};
 use crate::metrics::Metrics;
 use crate::ops::problems::Problems;
@@ -19,6 +19,7 @@ use crate::routing::ContentRouting;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
 use crate::routing::p2p::{IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
 use crate::routing::sync::SyncConfig;
+use crate::trust::ClusterSecret;
 
 /// The bound sockets, so that tests can bind port 0 and start-up order stays explicit.
 #[derive(Debug)]
@@ -32,6 +33,10 @@ pub struct Listeners {
 }
 
 /// How this node finds content on other nodes.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value, built once at start-up"
+)]
 pub enum Peering {
     /// This node's content only.
     Off,
@@ -45,6 +50,7 @@ pub enum Peering {
         /// `Some`: coordinate simultaneous misses.
         coalesce: Option<CoalesceConfig>,
         sync: SyncConfig,
+        secret: Option<ClusterSecret>,
     },
 }
 
@@ -61,7 +67,7 @@ impl std::fmt::Debug for Peering {
     }
 }
 
-/// Everything peer-to-peer needs, resolved from the settings.
+/// Everything peer-to-peer needs, resolved from the config.
 pub struct PeerSetup {
     pub p2p: P2pConfig,
     /// Static and DNS sources; the Kubernetes source is added in `serve`, where its watch
@@ -72,6 +78,8 @@ pub struct PeerSetup {
     pub tags: ResolveTags,
     pub coalesce: Option<CoalesceConfig>,
     pub sync: SyncConfig,
+    /// Read at start-up from `--cluster-secret-file`.
+    pub secret: Option<ClusterSecret>,
 }
 
 impl std::fmt::Debug for PeerSetup {
@@ -84,14 +92,14 @@ impl std::fmt::Debug for PeerSetup {
 
 impl PeerSetup {
     /// `None` (with a warning) when this host has no address other nodes could reach.
-    pub fn from_settings(config: &Config, settings: &P2pSettings) -> Option<PeerSetup> {
+    pub fn from_settings(config: &Config, secret: Option<ClusterSecret>) -> Option<PeerSetup> {
         let data_dir = &config.data_dir;
         let picked = || {
             let chosen = crate::net::host_addr::reachable_ip()?;
             tracing::info!(ip = %chosen.ip, interface = %chosen.interface, why = chosen.why, "advertise address picked; set --advertise-addr to choose another");
             Some(chosen.ip)
         };
-        let Some(advertise) = settings.advertise_addr.or_else(picked) else {
+        let Some(advertise) = config.advertise_addr.or_else(picked) else {
             tracing::warn!(
                 "no address other nodes could reach (only loopback or link-local): peer-to-peer is off; set --advertise-addr"
             );
@@ -100,16 +108,16 @@ impl PeerSetup {
         if advertise.is_loopback() {
             tracing::warn!(%advertise, "advertising a loopback address: only peers on this host can reach it");
         }
-        let peer_http_addr = settings
+        let peer_http_addr = config
             .peer_addr
             .unwrap_or(SocketAddr::new(advertise, DEFAULT_PEER_PORT));
         let mut sources: Vec<Box<dyn Bootstrap>> = vec![Box::new(StaticBootstrap {
-            addrs: settings.bootstrap_peers.clone(),
+            addrs: config.bootstrap_peers.clone(),
         })];
-        if let Some(name) = &settings.bootstrap_dns {
+        if let Some(name) = &config.bootstrap_dns {
             sources.push(Box::new(DnsBootstrap {
                 name: name.clone(),
-                port: settings.p2p_addr.port(),
+                port: config.p2p_addr.port(),
             }));
         }
         Some(PeerSetup {
@@ -117,47 +125,48 @@ impl PeerSetup {
                 data_dir: data_dir.to_path_buf(),
                 // A wildcard listen would make Kademlia announce every local address,
                 // loopback included: listen on the advertised address instead.
-                listen: if settings.p2p_addr.ip().is_unspecified() {
-                    SocketAddr::new(advertise, settings.p2p_addr.port())
+                listen: if config.p2p_addr.ip().is_unspecified() {
+                    SocketAddr::new(advertise, config.p2p_addr.port())
                 } else {
-                    settings.p2p_addr
+                    config.p2p_addr
                 },
                 advertise: Some(advertise),
                 peer_http_addr,
                 timing: ProvideTiming {
-                    ttl: settings.provide_ttl,
-                    interval: settings.reprovide_interval,
+                    ttl: config.provide_ttl,
+                    interval: config.reprovide_interval,
                     replicas: REPLICAS,
                 },
-                psk: config.cluster_secret.as_ref().map(|s| s.pnet_key()),
+                psk: secret.as_ref().map(|s| s.pnet_key()),
                 #[cfg(feature = "test-support")]
                 simulated_latency: None,
-                bootstrap_dials: settings.bootstrap_dials,
+                bootstrap_dials: config.bootstrap_dials,
                 idle_timeout: IDLE_CONNECTION_TIMEOUT,
             },
             bootstrap: Bootstraps(sources),
-            bootstrap_configured: !settings.bootstrap_peers.is_empty()
-                || settings.bootstrap_dns.is_some()
-                || config.kubernetes.bootstrap_selector.is_some(),
+            bootstrap_configured: !config.bootstrap_peers.is_empty()
+                || config.bootstrap_dns.is_some()
+                || config.bootstrap_kubernetes.is_some(),
             fetch: PeerFetchConfig {
-                resolve_timeout: settings.resolve_timeout,
-                resolve_timeout_max: settings.resolve_timeout_max,
-                connect_timeout: settings.peer_connect_timeout,
-                first_byte_timeout: settings.peer_first_byte_timeout,
-                idle_timeout: settings.peer_idle_timeout,
-                verify_before_serving: settings.verify_before_serving,
-                zero_copy: settings.zero_copy,
+                resolve_timeout: config.resolve_timeout,
+                resolve_timeout_max: config.resolve_timeout_max,
+                connect_timeout: config.peer_connect_timeout,
+                first_byte_timeout: config.peer_first_byte_timeout,
+                idle_timeout: config.peer_idle_timeout,
+                verify_before_serving: config.verify_before_serving,
+                zero_copy: config.zero_copy,
             },
-            tags: settings.resolve_tags,
-            coalesce: settings.coalesce.map(|follow_timeout| CoalesceConfig {
+            tags: config.resolve_tags,
+            coalesce: config.coalescing().map(|follow_timeout| CoalesceConfig {
                 follow_timeout,
-                relay_fanout: settings.relay_fanout,
+                relay_fanout: config.relay_fanout,
             }),
             sync: SyncConfig {
                 registries: config.registries.clone(),
                 filters: config.registry_filters.clone(),
-                interval: settings.reprovide_interval,
+                interval: config.reprovide_interval,
             },
+            secret,
         })
     }
 }
@@ -169,9 +178,9 @@ fn kubernetes_bootstrap(
     client: Option<&kube::Client>,
     setup: &PeerSetup,
 ) -> Option<KubernetesBootstrap> {
-    let selector = config.kubernetes.bootstrap_selector.as_deref()?;
+    let selector = config.bootstrap_kubernetes.as_deref()?;
     let client = client?;
-    let namespace = kubernetes::namespace(config.kubernetes.namespace.as_deref(), client);
+    let namespace = kubernetes::namespace(config.kubernetes_namespace.as_deref(), client);
     tracing::info!(%namespace, %selector, "bootstrapping peers from the Kubernetes API");
     Some(KubernetesBootstrap::new(
         client.clone(),
@@ -224,6 +233,7 @@ pub(super) struct Peers {
     /// `Some`: coordinate simultaneous misses.
     pub coalesce: Option<CoalesceConfig>,
     pub sync: SyncConfig,
+    pub secret: Option<ClusterSecret>,
 }
 
 impl Peering {
@@ -247,6 +257,7 @@ impl Peering {
                     tags: setup.tags,
                     coalesce: setup.coalesce,
                     sync: setup.sync,
+                    secret: setup.secret,
                 })
             }
             Peering::Given {
@@ -255,12 +266,14 @@ impl Peering {
                 tags,
                 coalesce,
                 sync,
+                secret,
             } => Some(Peers {
                 router,
                 fetch,
                 tags,
                 coalesce,
                 sync,
+                secret,
             }),
         }
     }

@@ -1,140 +1,159 @@
-//! Configuration: defaults < `--config` file < environment < flags, then validation. No side
-//! effects here: loading a config never touches the disk beyond reading the file.
+//! Every setting, as one struct: a field is a flag `--<key>`, an environment variable
+//! `FERRY_<KEY>` and a key in the `--config` file, parsed by the same function from each
+//! (`values`). `cli` merges the sources (flag > environment > file > default); `check` holds the
+//! rules between settings. No side effects: loading never reads anything but the file.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::cli::Flags;
+use clap::Args;
+
 pub use crate::oci::registry::{Registries, RegistryFilters, registry_host};
 use crate::registry::ResolveTags;
-use crate::trust::ClusterSecret;
 
-/// Every key, with its default. The TOML file uses these names; flags are `--<key>`.
-pub const KEYS: [(&str, &str); 41] = [
-    ("containerd-socket", "/run/containerd/containerd.sock"),
-    ("containerd-namespace", "k8s.io"),
-    (
-        "containerd-content-dir",
-        "/var/lib/containerd/io.containerd.content.v1.content",
-    ),
-    ("containerd-config", "/etc/containerd/config.toml"),
-    ("hosts-dir", "/etc/containerd/certs.d"),
-    ("registries", ""),
-    ("mirror-addr", "127.0.0.1:5480"),
-    ("mirror-target", ""),
-    ("metrics-addr", "[::]:5483"),
-    ("debug-page", "false"),
-    ("data-dir", "/var/lib/ferry"),
-    ("peer-addr", ""),
-    ("p2p-addr", "0.0.0.0:5482"),
-    ("advertise-addr", ""),
-    ("bootstrap-peers", ""),
-    ("bootstrap-dns", ""),
-    ("bootstrap-dials", "3"),
-    ("resolve-timeout", "20ms"),
-    ("resolve-timeout-max", "100ms"),
-    ("resolve-tags", "when-upstream-fails"),
-    ("coalesce", "true"),
-    ("follow-timeout", "3s"),
-    ("relay-fanout", "2"),
-    ("peer-upload-limit", ""),
-    ("provide-ttl", "30m"),
-    ("reprovide-interval", "10m"),
-    ("p2p", "true"),
-    ("cluster-secret-file", ""),
-    ("registry-filters", ""),
-    ("mirror-allow-remote", "false"),
-    ("peer-connect-timeout", "500ms"),
-    ("peer-first-byte-timeout", "2s"),
-    ("peer-idle-timeout", "5s"),
-    ("verify-before-serving", "4MiB"),
-    ("zero-copy", "true"),
-    ("bootstrap-kubernetes", ""),
-    ("kubernetes-namespace", ""),
-    ("node-name", ""),
-    ("ready-taint", "ferry.dev/not-ready"),
-    ("log-format", "text"),
-    ("log-level", "info"),
-];
+mod file;
+mod values;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+pub use file::{REPLACED, read as read_file};
+use values::*;
+pub use values::{Optional, duration, log_filter, size};
+
+/// The settings. Defaults are clap's, so `--help` shows them.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
 pub struct Config {
+    /// containerd's gRPC socket
+    #[arg(long, value_name = "PATH", default_value = "/run/containerd/containerd.sock", value_parser = path)]
     pub containerd_socket: PathBuf,
+    /// containerd namespace whose images and content are served
+    #[arg(long, value_name = "NAME", default_value = "k8s.io", value_parser = namespace)]
     pub containerd_namespace: String,
+    /// containerd's content directory, read directly when readable
+    #[arg(long, value_name = "PATH", value_parser = path,
+        default_value = "/var/lib/containerd/io.containerd.content.v1.content")]
     pub containerd_content_dir: PathBuf,
+    /// containerd's config file, read (never written) for a preflight check
+    #[arg(long, value_name = "PATH", default_value = "/etc/containerd/config.toml", value_parser = path)]
     pub containerd_config: PathBuf,
+    /// containerd's registry hosts directory
+    #[arg(long, value_name = "PATH", default_value = "/etc/containerd/certs.d", value_parser = path)]
     pub hosts_dir: PathBuf,
+    /// Comma-separated host[:port] registries to mirror [default: all registries]
+    #[arg(long, value_name = "LIST", default_value = "", hide_default_value = true, value_parser = registries)]
     pub registries: Registries,
+    /// Address containerd pulls through
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5480", value_parser = addr)]
     pub mirror_addr: SocketAddr,
-    /// What hosts.toml points containerd at; `None`: `http://<mirror-addr>` (wildcard as
-    /// loopback). Set when the mirror is reached another way (the chart's pod-network mode).
-    pub mirror_target: Option<String>,
+    /// URL hosts.toml points containerd at [default: http://<mirror-addr>]
+    #[arg(long, value_name = "URL", default_value = "", hide_default_value = true, value_parser = optional(mirror_target))]
+    pub mirror_target: Optional<String>,
+    /// Allow a mirror address that is not loopback
+    #[arg(long, value_name = "BOOL", default_value = "false", value_parser = boolean)]
+    pub mirror_allow_remote: bool,
+    /// Address of /metrics, /healthz and /readyz (`[::]`: IPv4 and IPv6)
+    #[arg(long, value_name = "ADDR", default_value = "[::]:5483", value_parser = addr)]
     pub metrics_addr: SocketAddr,
-    /// `/debug` on the metrics address (this host's clients only).
+    /// Serve a debug page at /debug on the metrics address, to clients on this host only
+    /// (peers, what this node advertises, recent pulls, a test pull)
+    #[arg(long, value_name = "BOOL", default_value = "false", value_parser = boolean)]
     pub debug_page: bool,
+    /// Ferry's own state
+    #[arg(long, value_name = "PATH", default_value = "/var/lib/ferry", value_parser = path)]
     pub data_dir: PathBuf,
-    pub p2p: Option<P2pSettings>,
-    pub cluster_secret: Option<ClusterSecret>,
-    /// Where `cluster_secret` was read from: watched for changes (see `app::watch_secret`).
-    pub cluster_secret_file: Option<PathBuf>,
+    /// Peer-to-peer on or off; off serves this node's content only
+    #[arg(long, value_name = "BOOL", default_value = "true", value_parser = boolean)]
+    pub p2p: bool,
+    /// Where other nodes fetch content from this one [default: <advertise-addr>:5481]
+    #[arg(long, value_name = "ADDR", default_value = "", hide_default_value = true, value_parser = optional(addr))]
+    pub peer_addr: Optional<SocketAddr>,
+    /// libp2p (TCP) listen address
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:5482", value_parser = addr)]
+    pub p2p_addr: SocketAddr,
+    /// The IP other nodes reach this node at [default: the default route's interface's address]
+    #[arg(long, value_name = "IP", default_value = "", hide_default_value = true, value_parser = optional(ip))]
+    pub advertise_addr: Optional<IpAddr>,
+    /// Comma-separated host:port (or multiaddrs) of other nodes' p2p addresses
+    #[arg(long, value_name = "LIST", default_value = "", hide_default_value = true, value_parser = bootstrap_peers)]
+    pub bootstrap_peers: BootstrapPeers,
+    /// A DNS name whose A/AAAA records are nodes to dial (at the p2p port)
+    #[arg(long, value_name = "NAME", default_value = "", hide_default_value = true, value_parser = optional(dns_name))]
+    pub bootstrap_dns: Optional<String>,
+    /// Bootstrap addresses dialled at once, drawn at random; Kademlia finds the rest
+    #[arg(long, value_name = "N", default_value = "3", value_parser = bootstrap_dials)]
+    pub bootstrap_dials: usize,
+    /// Label selector of Ferry's pods: bootstrap peers from the Kubernetes API
+    #[arg(long, value_name = "SELECTOR", default_value = "", hide_default_value = true, value_parser = optional(label_selector))]
+    pub bootstrap_kubernetes: Optional<String>,
+    /// How long a provider lookup may take before a miss goes upstream
+    #[arg(long, value_name = "DUR", default_value = "20ms", value_parser = duration)]
+    pub resolve_timeout: Duration,
+    /// The longest a pull waits for a provider lookup, on a node whose recent lookups of
+    /// present keys were slow (1.5x the time 95% of its last 100 took)
+    #[arg(long, value_name = "DUR", default_value = "100ms", value_parser = duration)]
+    pub resolve_timeout_max: Duration,
+    /// When tags are resolved through peers: never, when-upstream-fails, always
+    #[arg(long, value_name = "WHEN", default_value = "when-upstream-fails", value_parser = resolve_tags)]
+    pub resolve_tags: ResolveTags,
+    /// Coordinate simultaneous misses: one node fetches upstream, the others stream its download
+    #[arg(long, value_name = "BOOL", default_value = "true", value_parser = boolean)]
+    pub coalesce: bool,
+    /// How long a follower waits for the leader's first byte
+    #[arg(long, value_name = "DUR", default_value = "3s", value_parser = duration)]
+    pub follow_timeout: Duration,
+    /// Followers one node streams a blob to at once; more followers relay to each other in a
+    /// tree. 0: every follower streams from the leader
+    #[arg(long, value_name = "N", default_value = "2", value_parser = relay_fanout)]
+    pub relay_fanout: usize,
+    /// Bytes per second this node sends other nodes at most, all peer answers together
+    /// (e.g. 50MiB); empty or 0: no limit
+    #[arg(long, value_name = "SIZE", default_value = "", hide_default_value = true, value_parser = upload_limit)]
+    pub peer_upload_limit: Optional<u64>,
+    /// Lifetime of this node's provider records in the DHT
+    #[arg(long, value_name = "DUR", default_value = "30m", value_parser = duration)]
+    pub provide_ttl: Duration,
+    /// How often records are re-announced, before they expire
+    #[arg(long, value_name = "DUR", default_value = "10m", value_parser = duration)]
+    pub reprovide_interval: Duration,
+    /// File holding the cluster secret: a private libp2p network and signed peer requests
+    #[arg(long, value_name = "FILE", default_value = "", hide_default_value = true, value_parser = optional(path))]
+    pub cluster_secret_file: Optional<PathBuf>,
+    /// Regexes on registry/repo[:tag] of images shared with peers; `!` in front excludes
+    #[arg(long, value_name = "LIST", default_value = "", hide_default_value = true, value_parser = registry_filters)]
     pub registry_filters: RegistryFilters,
-    pub kubernetes: KubernetesSettings,
+    /// Bound on connecting to a peer
+    #[arg(long, value_name = "DUR", default_value = "500ms", value_parser = duration)]
+    pub peer_connect_timeout: Duration,
+    /// Bound from request to a peer's response headers
+    #[arg(long, value_name = "DUR", default_value = "2s", value_parser = duration)]
+    pub peer_first_byte_timeout: Duration,
+    /// Longest silence in a peer's body before moving to the next provider
+    #[arg(long, value_name = "DUR", default_value = "5s", value_parser = duration)]
+    pub peer_idle_timeout: Duration,
+    /// Blobs from peers up to this size are verified before the first byte is served
+    #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = size)]
+    pub verify_before_serving: u64,
+    /// Send large stored blobs to other nodes with sendfile
+    #[arg(long, value_name = "BOOL", default_value = "true", value_parser = boolean)]
+    pub zero_copy: bool,
+    /// Namespace of Ferry's pods [default: the pod's own]
+    #[arg(long, value_name = "NS", default_value = "", hide_default_value = true, value_parser = optional(kubernetes_name))]
+    pub kubernetes_namespace: Optional<String>,
+    /// This node's Kubernetes name (the chart sets it from the downward API)
+    #[arg(long, value_name = "NAME", default_value = "", hide_default_value = true, value_parser = optional(kubernetes_name))]
+    pub node_name: Optional<String>,
+    /// Taint key removed from this node once Ferry is ready; empty: leave taints alone
+    #[arg(long, value_name = "KEY", default_value = "ferry.dev/not-ready", value_parser = optional(taint_key))]
+    pub ready_taint: Optional<String>,
+    /// text or json
+    #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = log_format)]
     pub log_format: LogFormat,
+    /// A level (info, debug, ...) or a tracing filter such as `ferry=debug`
+    #[arg(long, value_name = "LEVEL", default_value = "info", value_parser = log_level)]
     pub log_level: String,
 }
 
-/// Kubernetes: where Ferry's pods are, which node this is, which taint to lift.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct KubernetesSettings {
-    /// Label selector of Ferry's pods, for peer bootstrap.
-    pub bootstrap_selector: Option<String>,
-    pub namespace: Option<String>,
-    pub node_name: Option<String>,
-    /// `None`: leave taints alone.
-    pub ready_taint: Option<String>,
-}
-
-impl KubernetesSettings {
-    /// Whether Ferry talks to the Kubernetes API at all.
-    pub fn enabled(&self) -> bool {
-        self.bootstrap_selector.is_some() || self.node_name.is_some()
-    }
-}
-
-/// The peer-to-peer settings; `None` when `p2p = false`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct P2pSettings {
-    /// `None`: `<advertise-addr>:5481`.
-    pub peer_addr: Option<SocketAddr>,
-    pub p2p_addr: SocketAddr,
-    /// `None`: an address of the interface with the default route (`host_addr.rs`).
-    pub advertise_addr: Option<IpAddr>,
-    pub bootstrap_peers: Vec<libp2p::Multiaddr>,
-    pub bootstrap_dns: Option<String>,
-    /// Bootstrap addresses dialled at once; Kademlia finds the rest of the network.
-    pub bootstrap_dials: usize,
-    pub resolve_timeout: Duration,
-    /// The longest a pull waits for a lookup where this node's lookups are slow.
-    pub resolve_timeout_max: Duration,
-    pub resolve_tags: ResolveTags,
-    /// `Some(follow timeout)` when simultaneous misses are coordinated (`coalesce`).
-    pub coalesce: Option<Duration>,
-    /// Followers one node streams a blob to at once; 0: all follow the leader.
-    pub relay_fanout: usize,
-    /// Bytes per second this node sends other nodes at most; `None`: no limit.
-    pub peer_upload_limit: Option<u64>,
-    pub provide_ttl: Duration,
-    pub reprovide_interval: Duration,
-    pub peer_connect_timeout: Duration,
-    pub peer_first_byte_timeout: Duration,
-    pub peer_idle_timeout: Duration,
-    /// Blobs from peers up to this many bytes are verified whole before serving.
-    pub verify_before_serving: u64,
-    /// Large stored blobs go to other nodes with `sendfile` (`registry::zero_copy`).
-    pub zero_copy: bool,
-}
+/// Other nodes' p2p addresses. (An alias, so that clap takes the list as one value.)
+pub type BootstrapPeers = Vec<libp2p::Multiaddr>;
 
 /// The default port of the peer address, next to the mirror's 5480.
 pub const DEFAULT_PEER_PORT: u16 = 5481;
@@ -153,7 +172,7 @@ pub struct ConfigError {
     pub message: String,
 }
 
-fn err(key: &str, message: impl Into<String>) -> ConfigError {
+pub(crate) fn err(key: &str, message: impl Into<String>) -> ConfigError {
     ConfigError {
         key: key.to_string(),
         message: message.into(),
@@ -161,72 +180,39 @@ fn err(key: &str, message: impl Into<String>) -> ConfigError {
 }
 
 impl Config {
-    /// Merges the sources and validates every value.
-    pub fn load(flags: &Flags) -> Result<Config, ConfigError> {
-        let file = match &flags.config {
-            Some(path) => read_file(path)?,
-            None => HashMap::new(),
-        };
-        if flags.resolve_latest.is_some() {
-            return Err(err(REPLACED.0, REPLACED.1));
-        }
-        let given: HashMap<&str, &str> = flags.given().into_iter().collect();
-        let value = &|key: &str| -> String {
-            given
-                .get(key)
-                .map(|v| v.to_string())
-                .or_else(|| file.get(key).cloned())
-                .or_else(|| {
-                    KEYS.iter()
-                        .find(|(k, _)| *k == key)
-                        .map(|(_, d)| d.to_string())
-                })
-                .unwrap_or_default()
-        };
-        let mirror_addr = addr("mirror-addr", &value("mirror-addr"))?;
-        if !mirror_addr.ip().is_loopback()
-            && !boolean("mirror-allow-remote", &value("mirror-allow-remote"))?
-        {
+    /// Every key with its default, as the file spells them.
+    pub fn keys() -> Vec<(String, String)> {
+        Config::augment_args(clap::Command::new("ferry"))
+            .get_arguments()
+            .map(|a| {
+                let default = a.get_default_values().first();
+                let default = default.map(|d| d.to_string_lossy().into_owned());
+                (
+                    a.get_id().as_str().replace('_', "-"),
+                    default.unwrap_or_default(),
+                )
+            })
+            .collect()
+    }
+
+    /// The rules between settings, after each value parsed on its own.
+    pub fn check(self) -> Result<Config, ConfigError> {
+        if !self.mirror_addr.ip().is_loopback() && !self.mirror_allow_remote {
             return Err(err(
                 "mirror-addr",
                 format!(
-                    "{mirror_addr} is not a loopback address; the mirror serves this node's images to whoever reaches it: set mirror-allow-remote = true to bind it there anyway"
+                    "{} is not a loopback address; the mirror serves this node's images to whoever reaches it: set mirror-allow-remote = true to bind it there anyway",
+                    self.mirror_addr
                 ),
             ));
         }
-        Ok(Config {
-            containerd_socket: path("containerd-socket", &value("containerd-socket"))?,
-            containerd_namespace: namespace(&value("containerd-namespace"))?,
-            containerd_content_dir: path(
-                "containerd-content-dir",
-                &value("containerd-content-dir"),
-            )?,
-            containerd_config: path("containerd-config", &value("containerd-config"))?,
-            hosts_dir: path("hosts-dir", &value("hosts-dir"))?,
-            registries: registries(&value("registries"))?,
-            mirror_addr,
-            mirror_target: mirror_target(&value("mirror-target"))?,
-            metrics_addr: addr("metrics-addr", &value("metrics-addr"))?,
-            debug_page: boolean("debug-page", &value("debug-page"))?,
-            data_dir: path("data-dir", &value("data-dir"))?,
-            p2p: p2p_settings(value)?,
-            cluster_secret: match value("cluster-secret-file").as_str() {
-                "" => None,
-                file => Some(
-                    ClusterSecret::load(Path::new(file))
-                        .map_err(|e| err("cluster-secret-file", e.to_string()))?,
-                ),
-            },
-            cluster_secret_file: match value("cluster-secret-file").as_str() {
-                "" => None,
-                file => Some(PathBuf::from(file)),
-            },
-            registry_filters: RegistryFilters::parse(&value("registry-filters"))
-                .map_err(|m| err("registry-filters", m))?,
-            kubernetes: kubernetes_settings(value)?,
-            log_format: log_format(&value("log-format"))?,
-            log_level: log_level(&value("log-level"))?,
-        })
+        if self.p2p && self.reprovide_interval >= self.provide_ttl {
+            return Err(err(
+                "reprovide-interval",
+                "must be shorter than provide-ttl, or records expire before they are renewed",
+            ));
+        }
+        Ok(self)
     }
 
     /// The URL containerd is pointed at. A wildcard bind is reached over loopback.
@@ -241,218 +227,17 @@ impl Config {
         };
         format!("http://{}", SocketAddr::new(ip, self.mirror_addr.port()))
     }
+
+    /// The follower's wait for a leader, when simultaneous misses are coordinated.
+    pub fn coalescing(&self) -> Option<Duration> {
+        self.coalesce.then_some(self.follow_timeout)
+    }
+
+    /// Whether Ferry talks to the Kubernetes API at all.
+    pub fn uses_kubernetes(&self) -> bool {
+        self.bootstrap_kubernetes.is_some() || self.node_name.is_some()
+    }
 }
-
-/// Reads the TOML file into `key -> text`; unknown keys and wrong types are errors.
-fn read_file(path: &Path) -> Result<HashMap<String, String>, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-        let msg = e.message().to_string();
-        err(
-            "config",
-            format!("{} is not valid TOML: {msg}", path.display()),
-        )
-    })?;
-    let mut values = HashMap::new();
-    for (key, value) in table {
-        if key == REPLACED.0 {
-            return Err(err(&key, REPLACED.1));
-        }
-        if !KEYS.iter().any(|(k, _)| *k == key) {
-            return Err(err(&key, format!("unknown key in {}", path.display())));
-        }
-        let text = match value {
-            toml::Value::String(s) => s,
-            toml::Value::Boolean(b) => b.to_string(),
-            toml::Value::Array(items)
-                if matches!(
-                    key.as_str(),
-                    "registries" | "bootstrap-peers" | "registry-filters"
-                ) =>
-            {
-                items
-                    .into_iter()
-                    .map(|i| match i {
-                        toml::Value::String(s) => Ok(s),
-                        other => Err(err(
-                            &key,
-                            format!("expected strings, found {}", other.type_str()),
-                        )),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?
-                    // Newlines, not commas: a regex may contain commas.
-                    .join("\n")
-            }
-            other => {
-                return Err(err(
-                    &key,
-                    format!("expected a string, found {}", other.type_str()),
-                ));
-            }
-        };
-        values.insert(key, text);
-    }
-    Ok(values)
-}
-
-fn p2p_settings(value: &dyn Fn(&str) -> String) -> Result<Option<P2pSettings>, ConfigError> {
-    if !boolean("p2p", &value("p2p"))? {
-        return Ok(None);
-    }
-    let optional = |key: &str| Some(value(key)).filter(|v| !v.is_empty());
-    let peer_addr = optional("peer-addr")
-        .map(|v| addr("peer-addr", &v))
-        .transpose()?;
-    let advertise_addr = optional("advertise-addr")
-        .map(|v| {
-            v.parse::<IpAddr>()
-                .map_err(|_| err("advertise-addr", format!("{v:?} is not an IP address")))
-        })
-        .transpose()?;
-    let bootstrap_peers = value("bootstrap-peers")
-        .split([',', '\n'])
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|p| crate::routing::bootstrap::parse_peer(p).map_err(|m| err("bootstrap-peers", m)))
-        .collect::<Result<Vec<_>, _>>()?;
-    let bootstrap_dns = optional("bootstrap-dns");
-    if let Some(name) = &bootstrap_dns
-        && !name
-            .split('.')
-            .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
-    {
-        return Err(err("bootstrap-dns", format!("{name:?} is not a DNS name")));
-    }
-    let dials = value("bootstrap-dials");
-    let bootstrap_dials = dials
-        .parse::<usize>()
-        .ok()
-        .filter(|n| (1..=1000).contains(n))
-        .ok_or_else(|| err("bootstrap-dials", format!("{dials:?}: expected 1 to 1000")))?;
-    let provide_ttl = duration("provide-ttl", &value("provide-ttl"))?;
-    let reprovide_interval = duration("reprovide-interval", &value("reprovide-interval"))?;
-    if reprovide_interval >= provide_ttl {
-        return Err(err(
-            "reprovide-interval",
-            "must be shorter than provide-ttl, or records expire before they are renewed",
-        ));
-    }
-    Ok(Some(P2pSettings {
-        peer_addr,
-        p2p_addr: addr("p2p-addr", &value("p2p-addr"))?,
-        advertise_addr,
-        bootstrap_peers,
-        bootstrap_dns,
-        bootstrap_dials,
-        resolve_timeout: duration("resolve-timeout", &value("resolve-timeout"))?,
-        resolve_timeout_max: duration("resolve-timeout-max", &value("resolve-timeout-max"))?,
-        resolve_tags: resolve_tags(value)?,
-        coalesce: boolean("coalesce", &value("coalesce"))?
-            .then(|| duration("follow-timeout", &value("follow-timeout")))
-            .transpose()?,
-        relay_fanout: relay_fanout(&value("relay-fanout"))?,
-        peer_upload_limit: match value("peer-upload-limit").as_str() {
-            "" | "0" => None,
-            v => Some(size("peer-upload-limit", v)?),
-        },
-        provide_ttl,
-        reprovide_interval,
-        peer_connect_timeout: duration("peer-connect-timeout", &value("peer-connect-timeout"))?,
-        peer_first_byte_timeout: duration(
-            "peer-first-byte-timeout",
-            &value("peer-first-byte-timeout"),
-        )?,
-        peer_idle_timeout: duration("peer-idle-timeout", &value("peer-idle-timeout"))?,
-        verify_before_serving: size("verify-before-serving", &value("verify-before-serving"))?,
-        zero_copy: boolean("zero-copy", &value("zero-copy"))?,
-    }))
-}
-
-fn relay_fanout(v: &str) -> Result<usize, ConfigError> {
-    v.parse::<usize>().ok().filter(|n| *n <= 64).ok_or_else(|| {
-        err(
-            "relay-fanout",
-            format!("{v:?}: expected 0 (no relays) to 64"),
-        )
-    })
-}
-
-/// A key that no longer exists, named so that an old config gets a useful error.
-const REPLACED: (&str, &str) = (
-    "resolve-latest",
-    "replaced by resolve-tags = never | when-upstream-fails | always (latest is no longer special)",
-);
-
-fn resolve_tags(value: &dyn Fn(&str) -> String) -> Result<ResolveTags, ConfigError> {
-    let v = value("resolve-tags");
-    v.parse().map_err(|_| {
-        err(
-            "resolve-tags",
-            format!("{v:?}: expected never, when-upstream-fails or always"),
-        )
-    })
-}
-
-fn kubernetes_settings(value: &dyn Fn(&str) -> String) -> Result<KubernetesSettings, ConfigError> {
-    let optional = |key: &str| Some(value(key)).filter(|v| !v.is_empty());
-    let dns_label = |key: &str, v: &str| -> Result<(), ConfigError> {
-        let ok = v.len() <= 253
-            && v.split('.').all(|l| {
-                !l.is_empty()
-                    && l.bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            });
-        if ok {
-            Ok(())
-        } else {
-            Err(err(key, format!("{v:?} is not a Kubernetes name")))
-        }
-    };
-    let selector = optional("bootstrap-kubernetes");
-    if let Some(s) = &selector
-        && (s.contains(char::is_whitespace) || s.contains(['\'', '"']))
-    {
-        return Err(err(
-            "bootstrap-kubernetes",
-            format!("{s:?} is not a label selector such as app.kubernetes.io/name=ferry"),
-        ));
-    }
-    let namespace = optional("kubernetes-namespace");
-    if let Some(ns) = &namespace {
-        dns_label("kubernetes-namespace", ns)?;
-    }
-    let node_name = optional("node-name");
-    if let Some(n) = &node_name {
-        dns_label("node-name", n)?;
-    }
-    let ready_taint = optional("ready-taint");
-    if let Some(t) = &ready_taint {
-        let (prefix, name) = t.rsplit_once('/').unwrap_or(("", t));
-        let name_ok = !name.is_empty()
-            && name.len() <= 63
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
-        if !name_ok || (!prefix.is_empty() && dns_label("ready-taint", prefix).is_err()) {
-            return Err(err(
-                "ready-taint",
-                format!("{t:?} is not a taint key such as ferry.dev/not-ready"),
-            ));
-        }
-    }
-    Ok(KubernetesSettings {
-        bootstrap_selector: selector,
-        namespace,
-        node_name,
-        ready_taint,
-    })
-}
-
-mod values;
-
-use values::*;
-pub use values::{duration, log_filter, size};
 
 #[cfg(test)]
 mod tests;
