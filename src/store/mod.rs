@@ -66,7 +66,7 @@ pub enum StoreError {
     /// The store cannot answer right now (containerd down or restarting). Also a 404 to
     /// containerd, so that it falls back to the next host at once, but counted apart.
     #[error("content store unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("content store I/O error: {0}")]
     Io(#[from] std::io::Error),
 }

@@ -97,9 +97,13 @@ pub enum P2pError {
     #[error(transparent)]
     Identity(#[from] identity::IdentityError),
     #[error("cannot build the libp2p transport: {0}")]
-    Transport(String),
-    #[error("cannot listen for peers on {addr}: {reason}")]
-    Listen { addr: SocketAddr, reason: String },
+    Transport(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("cannot listen for peers on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: libp2p::TransportError<std::io::Error>,
+    },
 }
 
 pub(crate) enum Command {
@@ -175,21 +179,21 @@ impl P2pRouter {
         let timing = config.timing;
         let idle = config.idle_timeout;
         let behaviour = move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing);
-        let transport_err = |e: &dyn std::fmt::Display| P2pError::Transport(e.to_string());
+        let transport_err = |e: Box<dyn std::error::Error + Send + Sync>| P2pError::Transport(e);
         let mut swarm = SwarmBuilder::with_existing_identity(key)
             .with_tokio()
             .with_other_transport(|key| transport(key, &config))
-            .map_err(|e| transport_err(&e))?
+            .map_err(|e| transport_err(e.into()))?
             .with_dns()
-            .map_err(|e| transport_err(&e))?
+            .map_err(|e| transport_err(e.into()))?
             .with_behaviour(behaviour)
-            .map_err(|e| transport_err(&e))?
+            .map_err(|e| transport_err(e.into()))?
             .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
             .build();
         let listen = tcp_multiaddr(config.listen.ip(), config.listen.port());
-        swarm.listen_on(listen).map_err(|e| P2pError::Listen {
+        swarm.listen_on(listen).map_err(|source| P2pError::Listen {
             addr: config.listen,
-            reason: e.to_string(),
+            source,
         })?;
         let own = config
             .advertise

@@ -355,7 +355,7 @@ fn change_of(event: &Envelope) -> Option<Change> {
 fn status_error(status: Status) -> StoreError {
     match status.code() {
         Code::NotFound => StoreError::NotFound,
-        _ => StoreError::Unavailable(format!("{}: {}", status.code(), status.message())),
+        _ => StoreError::Unavailable(Box::new(status)),
     }
 }
 /// `v2.1.9`, `2.1.9+unknown`, `1.6.20~ds1`: the number before the first dot.
