@@ -1,6 +1,5 @@
 //! containerd's `hosts.toml` entries from the settings: written at start, merged again every
-//! minute (host directories created later get the mirror too), and what containerd's own
-//! config does to them shown as problems.
+//! minute, and containerd's own config checked for problems.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,13 +12,10 @@ use crate::containerd_config::{self, Action, Outcome, preflight};
 use crate::ops::problems::Problems;
 use crate::store::ContentStore;
 
-/// The hosts dir is re-merged this often, so host directories created after start get the
-/// mirror too. A merge that changes nothing writes nothing.
+/// So host directories created after start get the mirror too; an unchanged merge writes nothing.
 const HOSTS_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
 
-/// What in containerd's own config makes Ferry useless on this node (`preflight`): each a
-/// problem (a warning logged once as it appears, a line in `/readyz`, a metric), never a
-/// reason to be unready; cleared once the config is fixed (looked at again every minute).
+/// containerd config findings (`preflight`) as problems, never unreadiness; cleared once fixed.
 pub(super) fn check_containerd_config(config: &Config, problems: &Problems) {
     let found = preflight::check(&config.containerd_config, &config.hosts_dir);
     for name in preflight::PROBLEMS {
@@ -49,8 +45,7 @@ pub(super) async fn refresh_hosts(
     }
 }
 
-/// Writes Ferry's entry into every hosts.toml the registries need (`containerd_config`), in
-/// the form the containerd behind `store` reads.
+/// Writes Ferry's entries in the form the containerd behind `store` reads.
 pub async fn configure_hosts(
     config: &Config,
     store: &dyn ContentStore,
@@ -60,9 +55,7 @@ pub async fn configure_hosts(
     containerd_config::configure(&config.hosts_dir, &config.registries, &mirror_url, ipv6)
 }
 
-/// How to write Ferry's hosts.toml entry when its URL holds an IPv6 address (see
-/// `hosts::Ipv6Hosts`): containerd is asked its version only then; while it does not answer,
-/// the form that works on every version.
+/// containerd is asked its version only for an IPv6 URL; unanswered, the default form.
 async fn ipv6_hosts(store: &dyn ContentStore, mirror_url: &str) -> Ipv6Hosts {
     if !mirror_url.contains('[') {
         return Ipv6Hosts::default();
@@ -73,7 +66,7 @@ async fn ipv6_hosts(store: &dyn ContentStore, mirror_url: &str) -> Ipv6Hosts {
         .map_or(Ipv6Hosts::default(), Ipv6Hosts::for_containerd)
 }
 
-/// Logs what a configure or cleanup did: changes at info, skipped files as warnings.
+/// Logs what a configure or cleanup did.
 pub fn report(outcomes: &[Outcome]) {
     for o in outcomes {
         let path = o.path.display();

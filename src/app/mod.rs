@@ -1,8 +1,6 @@
 //! Wiring. Start-up runs in fixed steps, in the order that makes Ferry useful soonest: bind the
-//! mirror address; write the hosts.toml entries (containerd now pulls through Ferry; a miss is
-//! a fast 404); bind the ops address; start peering; serve; on shutdown, drain within a grace
-//! period. Each background loop lives in the room that owns its state; this module only
-//! builds values from the settings and hands them over.
+//! mirror, write the hosts.toml entries, bind ops, start peering, serve, drain. Invariant: this
+//! module only builds values from the settings; each loop lives in the room owning its state.
 
 mod hosts;
 mod node;
@@ -92,8 +90,7 @@ fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {
     listen::bind(addr).map_err(|source| AppError::Bind { addr, source })
 }
 
-/// Peer-to-peer is an addition to the mirror: if its listener cannot be bound, this node
-/// serves its own content alone rather than not at all.
+/// If the peer listener cannot be bound, this node serves its own content rather than nothing.
 fn bind_peers(config: &Config, secret: Option<ClusterSecret>) -> (Peering, Option<TcpListener>) {
     let setup = config.p2p.then(|| PeerSetup::from_settings(config, secret));
     let Some(setup) = setup.flatten() else {
@@ -119,9 +116,8 @@ fn bind_peers(config: &Config, secret: Option<ClusterSecret>) -> (Peering, Optio
     }
 }
 
-/// Serves on already-bound listeners until `shutdown`, then drains. The hosts.toml entries
-/// are already written; they stay after shutdown (a stopped Ferry on loopback is an instant
-/// connection refused, and containerd falls back at once).
+/// Serves on already-bound listeners until `shutdown`, then drains. The hosts.toml entries stay:
+/// a stopped Ferry on loopback is an instant refusal, and containerd falls back at once.
 pub async fn serve(
     config: Config,
     store: Arc<dyn ContentStore>,

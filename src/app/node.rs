@@ -22,7 +22,7 @@ use crate::registry::peer::LOOKUP_TIMES_FILE;
 use crate::routing::sync;
 use crate::store::ContentStore;
 
-/// What every step shares: the store, the operator surfaces' state and the task set.
+/// What every step shares.
 pub(super) struct Node {
     pub store: Arc<dyn ContentStore>,
     pub metrics: Arc<Metrics>,
@@ -33,8 +33,7 @@ pub(super) struct Node {
 }
 
 impl Node {
-    /// The API client (local files only: no request to the API server yet), and the loops
-    /// that lift the node's ready taint and report configuration problems as Node events.
+    /// The API client (no request yet), and the loops for the ready taint and Node events.
     pub(super) async fn kubernetes(&self, config: &Config) -> Option<kube::Client> {
         if !config.uses_kubernetes() {
             return None;
@@ -63,10 +62,8 @@ impl Node {
         Some(client)
     }
 
-    /// The peer client, starting from the lookup times an earlier run learnt (and the loop that
-    /// keeps them for the next run). One that cannot
-    /// be built (it never happens in practice) leaves this node serving its own content, said
-    /// loudly, rather than silently with default timeouts.
+    /// The peer client, with the lookup times an earlier run learnt. One that cannot be built
+    /// leaves this node serving its own content, loudly, rather than with default timeouts.
     pub(super) fn fetcher(
         &self,
         config: &Config,
@@ -97,7 +94,7 @@ impl Node {
         Some(fetcher)
     }
 
-    /// Coordination of simultaneous misses, when `--coalesce` is on and peers can be asked.
+    /// When `--coalesce` is on and peers can be asked.
     pub(super) fn coalescer(
         &self,
         peers: Option<&Peers>,

@@ -1,5 +1,4 @@
-//! From settings to the values peer-to-peer runs with: the advertised address, the libp2p
-//! node's configuration, the bootstrap sources, and starting the router.
+//! From settings to the values peer-to-peer runs with, and starting the router.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,11 +23,9 @@ use crate::trust::ClusterSecret;
 /// The bound sockets, so that tests can bind port 0 and start-up order stays explicit.
 #[derive(Debug)]
 pub struct Listeners {
-    /// containerd pulls through this (loopback).
     pub mirror: TcpListener,
-    /// Other nodes fetch this node's content here; `None` without peer-to-peer.
+    /// `None` without peer-to-peer.
     pub peer: Option<TcpListener>,
-    /// `/metrics`, `/healthz`, `/readyz`.
     pub ops: TcpListener,
 }
 
@@ -38,16 +35,13 @@ pub struct Listeners {
     reason = "one value, built once at start-up"
 )]
 pub enum Peering {
-    /// This node's content only.
     Off,
-    /// The libp2p DHT.
     P2p(Box<PeerSetup>),
-    /// Any other content routing (tests: the in-memory one).
+    /// Any other content routing (tests).
     Given {
         router: Arc<dyn ContentRouting>,
         fetch: PeerFetchConfig,
         tags: ResolveTags,
-        /// `Some`: coordinate simultaneous misses.
         coalesce: Option<CoalesceConfig>,
         sync: SyncConfig,
         secret: Option<ClusterSecret>,
@@ -70,15 +64,13 @@ impl std::fmt::Debug for Peering {
 /// Everything peer-to-peer needs, resolved from the config.
 pub struct PeerSetup {
     pub p2p: P2pConfig,
-    /// Static and DNS sources; the Kubernetes source is added in `serve`, where its watch
-    /// can be tied to the shutdown token.
+    /// Static and DNS sources; the Kubernetes one is added at start.
     pub bootstrap: Bootstraps,
     pub bootstrap_configured: bool,
     pub fetch: PeerFetchConfig,
     pub tags: ResolveTags,
     pub coalesce: Option<CoalesceConfig>,
     pub sync: SyncConfig,
-    /// Read at start-up from `--cluster-secret-file`.
     pub secret: Option<ClusterSecret>,
 }
 
@@ -123,8 +115,7 @@ impl PeerSetup {
         Some(PeerSetup {
             p2p: P2pConfig {
                 data_dir: data_dir.to_path_buf(),
-                // A wildcard listen would make Kademlia announce every local address,
-                // loopback included: listen on the advertised address instead.
+                // A wildcard listen would make Kademlia announce loopback too.
                 listen: if config.p2p_addr.ip().is_unspecified() {
                     SocketAddr::new(advertise, config.p2p_addr.port())
                 } else {
@@ -171,8 +162,7 @@ impl PeerSetup {
     }
 }
 
-/// Ferry's pods as a bootstrap source, when `--bootstrap-kubernetes` is set and there is an
-/// API client (listed only while no peer is connected; see `kubernetes::bootstrap`).
+/// Ferry's pods as a bootstrap source, when `--bootstrap-kubernetes` is set.
 fn kubernetes_bootstrap(
     config: &Config,
     client: Option<&kube::Client>,
@@ -190,8 +180,8 @@ fn kubernetes_bootstrap(
     ))
 }
 
-/// Starts the libp2p node. A failure (unreadable key, port in use) leaves Ferry serving this
-/// node's content alone: the mirror matters more than the peers.
+/// Starts the libp2p node. A failure leaves Ferry serving this node's content alone: the
+/// mirror matters more than the peers.
 fn start_router(
     peers: &mut PeerSetup,
     kubernetes: Option<KubernetesBootstrap>,
@@ -230,14 +220,13 @@ pub(super) struct Peers {
     pub router: Arc<dyn ContentRouting>,
     pub fetch: PeerFetchConfig,
     pub tags: ResolveTags,
-    /// `Some`: coordinate simultaneous misses.
     pub coalesce: Option<CoalesceConfig>,
     pub sync: SyncConfig,
     pub secret: Option<ClusterSecret>,
 }
 
 impl Peering {
-    /// Starts what this node peers with; `None`: this node's content only.
+    /// `None`: this node's content only.
     pub(super) fn start(
         self,
         config: &Config,

@@ -1,8 +1,8 @@
-//! The coordinator's side: for each digest it coordinates, who leads its download and whom
-//! each follower streams it from. A tree per digest (`docs/design/relays.md`): every later
-//! claimant is attached to the shallowest live member with a free slot, so no member streams
-//! a blob to more than `fanout` followers. One owner (this table); pure logic over an
-//! injected clock, tested directly.
+//! The coordinator's lease table: per digest, who leads its download and whom each follower
+//! streams from, as a tree (`docs/design/relays.md`). Pure logic over an injected clock.
+//!
+//! Invariant: no member streams a blob to more than `fanout` followers, and no claimant is
+//! attached inside its own subtree.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -11,28 +11,22 @@ use std::time::{Duration, Instant};
 use crate::oci::Digest;
 use crate::routing::Peer;
 
-/// A leader is trusted this long from its grant. A blob that takes longer to download gets a
-/// second leader (a second upstream fetch, never a failure); a leader that dies earlier is
-/// replaced as soon as a follower reports it.
+/// A leader is trusted this long; a slower download gets a second leader (one more upstream
+/// fetch, never a failure).
 pub(crate) const LEASE: Duration = Duration::from_secs(600);
-/// At most this many leases are kept; beyond it the oldest go.
 const MAX_LEASES: usize = 100_000;
-/// Followers form a chain this many hops deep before any member streams to a second one: on
-/// links of equal speed a member with two followers halves what each gets, while a hop costs
-/// a relay's lag (a fraction of a second on slow links, milliseconds on fast ones). Measured
-/// in `docs/benchmarks.md` (relays).
+/// Followers form a chain this many hops deep before any member streams to a second one: a
+/// second follower halves what each gets, a hop only adds a relay's lag.
 pub(crate) const CHAIN_DEPTH: usize = 16;
-/// Members of one digest's tree that may be sources; later claimants follow one of them
-/// without becoming a source themselves (the table's memory stays bounded).
+/// Members of one tree that may be sources; later claimants follow without becoming one.
 const MAX_MEMBERS: usize = 4_096;
 
-/// What a claim got.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Grant {
     /// The claimant leads: its containerd fetches from upstream.
     Lead,
-    /// Stream from `source`: the leader, or a follower relaying its own download. The
-    /// leader is named too: a follower whose source and coordinator both die follows it.
+    /// Stream from `source`. The leader is named too: a follower whose source and coordinator
+    /// both die follows it.
     Follow { source: Peer, leader: Peer },
 }
 
@@ -55,9 +49,8 @@ struct Member {
 
 #[derive(Debug)]
 pub(crate) struct Leases {
-    /// Followers one member may stream a blob to; 0: all follow the leader (no relays).
+    /// Followers one member may stream to; 0: all follow the leader.
     fanout: usize,
-    /// Hops a chain of single followers may grow to before members take more (`CHAIN_DEPTH`).
     chain: usize,
     table: Mutex<HashMap<Digest, Tree>>,
 }
@@ -81,8 +74,8 @@ impl Leases {
         }
     }
 
-    /// `claimant` asks whom to stream `digest` from, and reports `failed` (a source it could
-    /// not follow), if any. The first claimant leads until its lease ends or it is reported.
+    /// `claimant` asks whom to stream `digest` from, reporting `failed` (a source it could not
+    /// follow). The first claimant leads until its lease ends or it is reported.
     pub(crate) fn claim(
         &self,
         digest: &Digest,
@@ -145,15 +138,13 @@ impl Tree {
             && self.members[i].alive
         {
             self.members[i].alive = false;
-            // It streams to no one now, and from no one.
             if let Some(p) = self.members[i].parent {
                 self.members[p].children = self.members[p].children.saturating_sub(1);
             }
         }
     }
 
-    /// The claimant's source: the one it has, while alive; else the shallowest live member
-    /// with a free slot outside the claimant's own subtree (which waits for the claimant).
+    /// The claimant's live source, else a new one outside its own subtree.
     fn attach(&mut self, claimant: &Peer, fanout: usize, chain: usize) -> Grant {
         let me = self.find(&claimant.id);
         if me == Some(self.leader) {
@@ -197,11 +188,8 @@ impl Tree {
         }
     }
 
-    /// Where a claimant attaches: the end of a chain of single followers while it is shorter
-    /// than `chain` hops, else the shallowest member with fewer than `fanout` children (ties:
-    /// the earliest to join); never a dead member or one in `me`'s subtree (it waits for
-    /// `me`). Every member adds slots, so there is one unless every member has died or is
-    /// under `me`: then the leader, beyond its fanout.
+    /// The end of a chain shorter than `chain` hops, else the shallowest member with fewer than
+    /// `fanout` children (ties: earliest); never dead or in `me`'s subtree (it waits for `me`).
     fn roomiest(&self, me: Option<usize>, fanout: usize, chain: usize) -> usize {
         let open: Vec<usize> = (0..self.members.len())
             .filter(|&i| {
@@ -223,9 +211,8 @@ impl Tree {
             .unwrap_or(self.leader)
     }
 
-    /// Whether `i` is `ancestor` or below it.
     fn descends(&self, mut i: usize, ancestor: usize) -> bool {
-        // Parent links form a tree, but a bound keeps a bug from looping forever.
+        // A bound keeps a bug in the parent links from looping forever.
         for _ in 0..=self.members.len() {
             if i == ancestor {
                 return true;
@@ -238,7 +225,7 @@ impl Tree {
         false
     }
 
-    /// `claimant` leads from now on: its containerd fetches what it lacks from upstream.
+    /// `claimant` leads from now on, fetching what it lacks upstream.
     fn promote(&mut self, claimant: &Peer, now: Instant) {
         let me = match self.find(&claimant.id) {
             Some(me) => me,
@@ -281,7 +268,6 @@ mod tests {
         }
     }
 
-    /// Whom a grant says to stream from: `lead`, or the source's ID.
     fn src(grant: Grant) -> String {
         match grant {
             Grant::Lead => "lead".into(),
@@ -297,9 +283,8 @@ mod tests {
         assert_eq!(src(leases.claim(&d, &peer("a"), None, t)), "lead");
         assert_eq!(src(leases.claim(&d, &peer("b"), None, t)), "a");
         assert_eq!(src(leases.claim(&d, &peer("c"), None, t)), "a");
-        // The leader asking again (a retry of its own) still leads.
+        // The leader asking again still leads.
         assert_eq!(src(leases.claim(&d, &peer("a"), None, t)), "lead");
-        // Another digest has its own leader.
         let other = Digest::sha256_of(b"other layer");
         assert_eq!(src(leases.claim(&other, &peer("c"), None, t)), "lead");
     }
@@ -343,8 +328,7 @@ mod tests {
         let chain = storm(&Leases::new(1), &d, 4, t);
         assert_eq!(chain, ["0", "1", "2", "3"]);
 
-        // A chain first, three hops here, then a second follower at the shallowest member,
-        // which starts a chain of its own.
+        // A chain of three hops first, then a second follower at the shallowest member.
         let chained = storm(&Leases::with_chain(2, 3), &d, 6, t);
         assert_eq!(chained, ["0", "1", "2", "0", "4", "5"]);
 
@@ -364,19 +348,15 @@ mod tests {
         let leases = Leases::new(1);
         let d = Digest::sha256_of(b"layer");
         let t = Instant::now();
-        // A chain: 0 <- 1 <- 2 <- 3 <- 4.
         storm(&leases, &d, 4, t);
-        // 1 dies; 2 reports it and must not be sent to 3 or 4 (they wait for 2): the slot
-        // 1 had at the leader is free.
+        // 1 dies; 2 reports it and must not be sent to 3 or 4 (they wait for 2).
         assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), t)), "0");
         let leases = Leases::with_chain(2, 0);
         storm(&leases, &d, 6, t);
         // 1 (feeding 3 and 4) dies: 3 takes its slot at the leader, 4 the next free one.
         assert_eq!(src(leases.claim(&d, &peer("3"), Some("1"), t)), "0");
         assert_eq!(src(leases.claim(&d, &peer("4"), Some("1"), t)), "3");
-        // A retry of 3 without a report keeps its new source.
         assert_eq!(src(leases.claim(&d, &peer("3"), None, t)), "0");
-        // A new claimant is never sent to the dead relay.
         assert_ne!(src(leases.claim(&d, &peer("7"), None, t)), "1");
     }
 
@@ -387,8 +367,7 @@ mod tests {
         let t = Instant::now();
         storm(&leases, &d, 6, t);
         assert_eq!(src(leases.claim(&d, &peer("1"), Some("0"), t)), "lead");
-        // 2, the leader's other child, reports it too: attached (1 is full: 3 and 4), not a
-        // second leader.
+        // 2 reports it too: attached (1 is full: 3 and 4), not a second leader.
         assert_eq!(src(leases.claim(&d, &peer("2"), Some("0"), t)), "3");
         // 3 and 4 still follow 1, now the leader.
         assert_eq!(src(leases.claim(&d, &peer("3"), None, t)), "1");

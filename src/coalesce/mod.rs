@@ -1,7 +1,6 @@
 //! Storm-proof rollouts: when several nodes miss one digest at once, one node's containerd (the
 //! leader) fetches it upstream and the others (followers) stream the leader's download as it
-//! lands. The digest's coordinator (the node closest to it in the DHT) answers each claim with
-//! *lead* or *follow <leader>* from its lease table.
+//! lands. The digest's coordinator answers each claim with *lead* or *follow* from its leases.
 //!
 //! Invariant: every step only makes a pull faster or hands it back at once (a 404, or a cut
 //! transfer containerd resumes elsewhere); a wrong guess costs at most one more upstream fetch.
@@ -27,33 +26,23 @@ use leases::{Grant, LEASE, Leases};
 use relay::Received;
 use transfers::{Transfer, Transfers};
 
-/// A claim gets this long. Peer addresses are on the node network (well under a millisecond
-/// away), and a coordinator that is gone fails the claim at once (refused, reset); one that
-/// answers later than this is treated as absent, and the miss goes upstream. Not shorter:
-/// measured, an 8-node storm on 2 vCPUs (every node unpacking at once) had one claim of 48
-/// take over 200 ms, and that node's second upstream fetch cost the cluster a quarter of
-/// the image.
+/// A claim gets this long; a later answer counts as none and the miss goes upstream. Not
+/// shorter: a claim on a busy node can take a few hundred ms (`docs/design/coalescing.md`).
 pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
-/// A relay's window of bytes containerd may not have written yet is kept this long after
-/// the last of them arrived.
+/// A relay's window is kept this long after its last byte arrived.
 const WINDOW_KEPT: Duration = Duration::from_secs(30);
 /// A window that received nothing this long belongs to a transfer that ended elsewhere.
 const WINDOW_STALE: Duration = Duration::from_secs(120);
-/// A claim that failed this fast was refused (nothing listens there), not slow: worth asking
-/// the next coordinator, where a slow one would double the wait.
+/// A claim that failed this fast was refused, not slow: worth asking the next coordinator.
 const REFUSED_WITHIN: Duration = Duration::from_millis(200);
-/// A download on this node counts as in progress, for a second request of this node to
-/// share, if its file was written this recently; older ones are left by failed downloads.
+/// Downloads on this node written longer ago than this were left by failed ones: not shared.
 const SHARE_FRESH: Duration = Duration::from_secs(30);
 
-/// Settings, as values (built in `app.rs`).
 #[derive(Debug, Clone)]
 pub struct CoalesceConfig {
-    /// How long a follower waits for the leader's first byte, and a leader for its own
-    /// containerd's download to start.
+    /// How long a follower waits for the leader's first byte, and a leader for its download.
     pub follow_timeout: Duration,
-    /// Followers one node streams a blob to at once; beyond, followers relay to each other
-    /// (`leases.rs`). 0: every follower streams from the leader.
+    /// Followers one node streams a blob to at once; 0: every follower streams from the leader.
     pub relay_fanout: usize,
 }
 
@@ -62,19 +51,17 @@ pub struct CoalesceConfig {
 pub enum Role {
     /// Its containerd fetches from upstream.
     Lead,
-    /// It streams from this peer (the leader or a relay), and relays to its own followers.
+    /// Streams from this peer (the leader or a relay).
     Follow(Peer),
 }
 
 #[derive(Debug)]
 struct Part {
     role: Role,
-    /// The leader, as the coordinator named it when this node follows.
+    /// The leader the coordinator named, when this node follows.
     leader: Option<Peer>,
     since: Instant,
-    /// Peer IDs streaming from this node now, with how many streams each.
     followers: HashMap<String, usize>,
-    /// What this node receives as a follower, for its own followers (`relay.rs`).
     received: Option<Arc<Received>>,
 }
 
@@ -84,7 +71,6 @@ pub struct InFlightPart {
     pub digest: String,
     /// `leader`, `relay` (a follower with followers) or `follower`.
     pub role: String,
-    /// The peer this node streams from (none for a leader).
     pub source: Option<String>,
     pub followers: Vec<String>,
     pub age_s: u64,
@@ -95,7 +81,6 @@ pub struct InFlightPart {
 pub enum Decision {
     /// This node leads: answer 404 so its containerd fetches from upstream.
     Lead,
-    /// Stream from this node's Ferry.
     Follow(Peer),
     /// No coordinator could be asked in time: behave as without coalescing (404).
     Alone,
@@ -104,16 +89,12 @@ pub enum Decision {
 /// One node's part: its coordinator table, the digests it leads, and claiming.
 pub struct Coalescer {
     router: Arc<dyn ContentRouting>,
-    /// Where this node's downloads land.
     store: Arc<dyn ContentStore>,
     config: CoalesceConfig,
     metrics: Arc<Metrics>,
     leases: Leases,
-    /// This node's part in each download it leads or follows: served in flight to the
-    /// followers sent here while recorded.
     parts: Mutex<HashMap<Digest, Part>>,
     claims: Arc<dyn ClaimSender>,
-    /// What this node's containerd is being sent now (coalescing within the node).
     transfers: Arc<Transfers>,
 }
 
@@ -162,8 +143,7 @@ impl Coalescer {
         &self.config
     }
 
-    /// Who fetches `digest` from upstream, for this node's miss of it (`failed`: a source
-    /// this node could not follow).
+    /// Who fetches `digest` upstream (`failed`: a source this node could not follow).
     pub async fn decide(&self, digest: &Digest, failed: Option<&Peer>) -> Decision {
         let me = self.router.local();
         let Some(coordinator) = self.coordinator(digest, &me).await else {
@@ -175,8 +155,8 @@ impl Coalescer {
         let mut grant = self.ask(coordinator, digest, &me, failed_id).await;
         let fallback = || self.leader_to_fall_back_on(digest, coordinator, failed);
         if grant.is_none() && fallback().is_none() && started.elapsed() < REFUSED_WITHIN {
-            // Refused at once: the coordinator is gone (its node or its Ferry). Every node
-            // that finds it gone asks the same next one, so they still agree on one leader.
+            // Refused at once: the coordinator is gone. Every node that finds it gone asks
+            // the same next one, so they still agree on one leader.
             if let Some(backup) = self.backup_coordinator(digest, &me, coordinator) {
                 tracing::info!(%digest, coordinator = %coordinator.id, backup = %backup.id, "the coordinator is gone; claiming at the next one");
                 grant = self.ask(&backup, digest, &me, failed_id).await;
@@ -225,7 +205,6 @@ impl Coalescer {
         decision
     }
 
-    /// `coordinator`'s grant for this node's claim, or `None` when it cannot be had in time.
     async fn ask(
         &self,
         coordinator: &Peer,
@@ -245,17 +224,15 @@ impl Coalescer {
         grant.ok().flatten()
     }
 
-    /// The coordinator when `gone` is: rendezvous hashing over the nodes this one knows,
-    /// itself included, without `gone`.
+    /// Rendezvous hashing over the nodes this one knows, without `gone`.
     fn backup_coordinator(&self, digest: &Digest, me: &Peer, gone: &Peer) -> Option<Peer> {
         let members = self.router.members();
         let alive = members.iter().chain(std::iter::once(me));
         rendezvous::coordinator(digest, alive.filter(|p| p.id != gone.id)).cloned()
     }
 
-    /// The leader to follow when the coordinator cannot be asked again mid-download: the one
-    /// it named to this node before, unless that is the silent coordinator or the source that
-    /// just failed. A relay that was also the coordinator dies, and its followers go on.
+    /// The leader named before, unless it is the silent coordinator or the failed source (a
+    /// relay that was also the coordinator dies; its followers go on).
     fn leader_to_fall_back_on(
         &self,
         digest: &Digest,
@@ -268,19 +245,14 @@ impl Coalescer {
         (!gone).then_some(leader)
     }
 
-    /// A request of this node's containerd for `digest`, which its store lacks: a download of
-    /// it in progress on this node to read instead of starting another, if another request of
-    /// this node is transferring it, or this node leads it (its containerd is fetching it
-    /// upstream). Waits up to the follow timeout for that download to grow. The transfer
-    /// must live as long as the response (see `transfers.rs`).
+    /// A download of `digest` already in progress on this node (another request's, or the one
+    /// this node leads) to read instead of starting another. Keep the transfer for the response.
     pub async fn share_local(&self, digest: &Digest) -> (Transfer, Landing) {
         let transfer = self.transfers.begin(digest);
         let store = self.store.as_ref();
         if transfer.first && !self.leads(digest) {
-            // Another namespace of this node's containerd may have committed it a moment ago
-            // (its request over before this one came; Ferry's store lists one namespace):
-            // read that file rather than fetch it a second time. Seen with a small config blob
-            // on containerd 1.7, pulled into two namespaces at once.
+            // Another namespace of this node's containerd may have committed it a moment
+            // ago (Ferry's store lists one): read that file rather than fetch it again.
             let landed = if store.landed(digest).await.is_some() {
                 self.count("local", "committed");
                 Landing::Committed
@@ -291,8 +263,8 @@ impl Coalescer {
         }
         let fresh = Scope::AnyFresh(SHARE_FRESH);
         let candidates = store.downloads(digest, fresh).await;
-        // A single download is the requester's own (containerd opens its writer before it
-        // asks): there is nothing else to read, unless the other one has just landed.
+        // A single download is the requester's own (containerd opens its writer before
+        // it asks): nothing else to read, unless the other one has just landed.
         if candidates.len() < 2 {
             let landed = if store.landed(digest).await.is_some() {
                 Landing::Committed
@@ -313,9 +285,6 @@ impl Coalescer {
         (transfer, found)
     }
 
-    /// Who coordinates `digest`: the router's pick (the XOR-closest node, from the DHT walk
-    /// the miss has just made), or, from a router that cannot tell, rendezvous hashing over
-    /// the nodes it is connected to.
     async fn coordinator(&self, digest: &Digest, me: &Peer) -> Option<Peer> {
         if let Some(picked) = self
             .router
@@ -336,8 +305,7 @@ impl Coalescer {
         grant
     }
 
-    /// This node's role in `digest`'s download now, if it has one (then its peer address
-    /// serves the download in flight).
+    /// This node's role in `digest`'s download now (then its peer address serves it).
     pub fn role(&self, digest: &Digest) -> Option<Role> {
         let mut parts = self.lock_parts();
         parts.retain(|_, p| p.since.elapsed() < LEASE || !p.followers.is_empty());
@@ -353,8 +321,7 @@ impl Coalescer {
         parts.get(digest).map(|p| p.role.clone())
     }
 
-    /// `response`, this node's follow answer to its own containerd for `digest`, with what
-    /// it passes on kept for this node's own followers (`relay.rs`).
+    /// `response`, teed for this node's own followers.
     pub fn relaying(&self, digest: &Digest, response: Response) -> Response {
         let Some(total) = relay::blob_total(&response) else {
             return response;
@@ -374,19 +341,16 @@ impl Coalescer {
         relay::tee(response, &received)
     }
 
-    /// What this node receives of `digest` as a follower, if it follows it.
     pub(crate) fn received(&self, digest: &Digest) -> Option<Arc<Received>> {
         self.lock_parts().get(digest)?.received.clone()
     }
 
-    /// Whether this node leads `digest` now.
     pub fn leads(&self, digest: &Digest) -> bool {
         self.role(digest) == Some(Role::Lead)
     }
 
-    /// This node's role in `digest`'s download, waiting up to [`CLAIM_TIMEOUT`] for one: a
-    /// follower may ask as soon as the coordinator has answered, before the answer to this
-    /// node's own claim has reached it.
+    /// [`Coalescer::role`], waiting up to [`CLAIM_TIMEOUT`]: a follower may ask before the
+    /// answer to this node's own claim has reached it.
     pub async fn role_soon(&self, digest: &Digest) -> Option<Role> {
         let deadline = Instant::now() + CLAIM_TIMEOUT;
         loop {
@@ -413,7 +377,6 @@ impl Coalescer {
         }
     }
 
-    /// Every download this node leads or follows, newest first.
     pub fn in_flight(&self) -> Vec<InFlightPart> {
         let mut parts: Vec<InFlightPart> = self
             .lock_parts()

@@ -1,7 +1,5 @@
-//! What a relay serves its followers: its containerd's download, and the bytes its Ferry has
-//! passed on to containerd that containerd has not written yet. containerd fills a 1 MiB
-//! buffer before each write to its download, so the download alone would hold every hop of a
-//! relay chain back by a mebibyte (measured in `docs/design/relays.md`).
+//! What a relay serves its followers: its containerd's download, then a window of the bytes
+//! containerd has not written yet (it buffers 1 MiB per write; `docs/design/relays.md`).
 //!
 //! Invariant: the window holds only bytes of this blob that passed through this node, in
 //! order, at most [`WINDOW`] of them; a reader gets each byte once, from the download or the
@@ -22,12 +20,10 @@ use tokio::time::Instant;
 use crate::store::ByteStream;
 use crate::store::downloads::{Download, InFlight};
 
-/// The newest bytes kept: what containerd may hold unwritten (its 1 MiB buffer and a socket's
-/// worth), with room to spare. Bytes older than that are in the download.
+/// The newest bytes kept: containerd's unwritten 1 MiB buffer and a socket's worth, with room.
 pub(crate) const WINDOW: u64 = 4 << 20;
-/// Bytes handed to a reader at a time.
 const CHUNK: usize = 256 << 10;
-/// How often a reader waiting at the window's end looks at the download too.
+/// How often a reader waiting at the window's end also checks the download.
 const FILE_POLL: Duration = Duration::from_millis(50);
 
 /// The bytes of one blob this node is receiving as a follower, newest [`WINDOW`] of them.
@@ -35,13 +31,11 @@ const FILE_POLL: Duration = Duration::from_millis(50);
 pub(crate) struct Received {
     total: u64,
     state: Mutex<Window>,
-    /// The end of what was received, for readers waiting for more.
     end: watch::Sender<u64>,
 }
 
 #[derive(Debug)]
 struct Window {
-    /// The offset of the first byte of `chunks`.
     start: u64,
     chunks: VecDeque<Bytes>,
     last: Instant,
@@ -68,7 +62,6 @@ impl Received {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The end of what was received.
     pub(crate) fn end(&self) -> u64 {
         *self.end.borrow()
     }
@@ -77,9 +70,8 @@ impl Received {
         self.lock().start
     }
 
-    /// A new transfer of the blob goes on from `offset` (containerd asked again with a Range,
-    /// from what it has). Bytes past it are dropped and come again, the same bytes; a gap
-    /// before it is in the download already.
+    /// containerd asked again with a Range from `offset`: bytes past it are dropped (they come
+    /// again); a gap before it is in the download already.
     pub(crate) fn resume_at(&self, offset: u64) {
         let mut w = self.lock();
         let end = self.end();
@@ -142,16 +134,15 @@ impl Received {
         self.lock().last.elapsed() < live
     }
 
-    /// Whether the window can go: the whole blob was received longer ago than `done`, or
-    /// nothing was for `stale` (a transfer that ended and was not resumed here).
+    /// Whether the window can go: complete longer ago than `done`, or idle for `stale`.
     pub(crate) fn spent(&self, done: Duration, stale: Duration) -> bool {
         let quiet_for = |d| !self.received_within(d);
         (self.end() == self.total && quiet_for(done)) || quiet_for(stale)
     }
 }
 
-/// `response` (a follow answer to this node's containerd), with every byte it passes on kept
-/// in `received`; unchanged when it is not a blob body (a whole one, or a range to the end).
+/// `response` with every byte it passes on kept in `received`; unchanged unless it is a
+/// whole blob or a range to its end.
 pub(crate) fn tee(response: Response, received: &Arc<Received>) -> Response {
     let start = match response.status() {
         StatusCode::OK => 0,
@@ -173,8 +164,7 @@ pub(crate) fn tee(response: Response, received: &Arc<Received>) -> Response {
     Response::from_parts(parts, Body::from_stream(body))
 }
 
-/// The size a follow answer says the blob has: `Content-Range`'s total, or the length of a
-/// whole answer.
+/// The blob's size from a follow answer: `Content-Range`'s total, or the whole length.
 pub(crate) fn blob_total(response: &Response) -> Option<u64> {
     let headers = response.headers();
     if response.status() == StatusCode::PARTIAL_CONTENT {
@@ -249,7 +239,7 @@ struct Reader {
     ingest: InFlight,
     received: Arc<Received>,
     end: watch::Receiver<u64>,
-    /// The download, read from `pos`; dropped when the window serves (its place is stale).
+    /// The download from `pos`; dropped when the window serves (its position is stale).
     file: Option<ByteStream>,
     pos: u64,
     total: u64,
@@ -278,12 +268,11 @@ impl Reader {
                         Some(Err(e)) => return Err(e),
                         None => return Ok(None),
                     },
-                    // More received: the window may hold `pos` now.
                     _ = self.end.changed() => continue,
                 }
             }
-            // Older than the window, or written by containerd from elsewhere (this node's
-            // transfer ended and containerd went on without it): the download has it.
+            // Older than the window, or written by containerd from elsewhere (this transfer
+            // ended and containerd went on without it): the download has it.
             let in_file = self.ingest.landed().await.is_some_and(|l| l > self.pos);
             if in_file || self.pos < self.received.start() {
                 self.file = Some(self.ingest.read_from(self.pos, self.idle).await?);
@@ -331,7 +320,7 @@ mod tests {
             ingest,
             received: received.clone(),
         };
-        // containerd has written the first 5 MiB; this node has received 7 MiB.
+        // containerd has written 5 MiB; this node has received 7 MiB.
         writer.append(&data[..5 << 20]);
         for c in data[..7 << 20].chunks(64 << 10) {
             received.push(&Bytes::copy_from_slice(c));
@@ -342,7 +331,6 @@ mod tests {
             .unwrap();
         let reading = tokio::spawn(read_all(reader));
         tokio::time::sleep(Duration::from_millis(50)).await;
-        // The rest arrives, and containerd writes it all in the end.
         for c in data[7 << 20..].chunks(64 << 10) {
             received.push(&Bytes::copy_from_slice(c));
         }
@@ -366,7 +354,7 @@ mod tests {
             received: received.clone(),
         };
         received.push(&Bytes::copy_from_slice(&data[..1 << 20]));
-        // Asked from 2 MiB, which this relay has not received yet: it waits for it.
+        // Asked from 2 MiB, not received yet: it waits.
         let mut reader = relayed
             .read_from(2 << 20, Duration::from_millis(300))
             .await
@@ -382,7 +370,7 @@ mod tests {
         let first = reader.next().await.unwrap().unwrap();
         assert_eq!(first[..], data[2 << 20..][..first.len()]);
         feed.await.unwrap();
-        // Then nothing more arrives: an error after the idle bound, never a short blob.
+        // Then nothing more: an error after the idle bound, never a short blob.
         let mut got = first.len();
         let end = loop {
             match reader.next().await {

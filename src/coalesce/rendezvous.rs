@@ -1,21 +1,20 @@
-//! Which node coordinates a digest: rendezvous (highest random weight) hashing over the live
-//! peer set. Every node computes it alone, with no message; nodes that see the same members
-//! pick the same coordinator, and a node joining or leaving moves only the digests it wins or
-//! held (1/N of them).
+//! Which node coordinates a digest when the router cannot tell: rendezvous (highest random
+//! weight) hashing over the live peers. Invariant: nodes that see the same members pick the
+//! same coordinator with no message; a node joining or leaving moves only 1/N of the digests.
 
 use sha2::{Digest as _, Sha256};
 
 use crate::oci::Digest;
 use crate::routing::Peer;
 
-/// The member with the highest weight for `digest` (`None` for no members).
+/// The member with the highest weight for `digest`.
 pub fn coordinator<'a>(
     digest: &Digest,
     members: impl IntoIterator<Item = &'a Peer>,
 ) -> Option<&'a Peer> {
     members
         .into_iter()
-        // Ties (equal weights) are astronomically unlikely; the id breaks them deterministically.
+        // Equal weights are astronomically unlikely; the id breaks ties deterministically.
         .max_by(|a, b| {
             weight(&a.id, digest)
                 .cmp(&weight(&b.id, digest))

@@ -1,28 +1,23 @@
-//! Coalescing within one node: requests of this node's containerd for a digest that another
-//! request of it is transferring now. containerd serialises downloads of one digest within a
-//! namespace itself (one writer per ref), so a second request comes from another namespace
-//! (kubelet's `k8s.io` next to `nerdctl`'s `default`, say) and would start a second transfer:
-//! instead it reads the first one's download out of containerd's ingest as it lands.
+//! Coalescing within one node: containerd downloads a digest once per namespace, so a second
+//! request for a digest another request is transferring comes from another namespace; it
+//! reads the first one's download as it lands instead of starting a second transfer.
 //!
-//! The first request for a digest goes its usual way (peers, a coordinator, upstream); only
-//! later ones share. Which download to read is decided by growth: the requester's own
-//! download exists before it asks (containerd opens its writer first) but does not grow
-//! while it waits for the answer, so a request never waits for itself.
+//! Invariant: a request never waits for itself: its own download exists before it asks but
+//! does not grow while it waits, and only a growing download is shared.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::oci::Digest;
 
-/// The digests this node's containerd is being sent now, by the mirror. One owner: this
-/// table; a [`Transfer`] removes its entry when the response it belongs to ends.
+/// The digests this node's containerd is being sent now; a [`Transfer`] removes its entry
+/// when its response ends.
 #[derive(Debug, Default)]
 pub(crate) struct Transfers {
     active: Mutex<HashMap<Digest, usize>>,
 }
 
-/// One request's part in a digest's transfers on this node; keep it alive as long as the
-/// response body.
+/// One request's part in a digest's transfers; keep it alive as long as the response body.
 #[derive(Debug)]
 pub struct Transfer {
     table: Arc<Transfers>,

@@ -1,4 +1,5 @@
-//! Applying the `hosts.toml` merge to a containerd hosts directory (`certs.d`), atomically.
+//! Applying the `hosts.toml` merge to a containerd hosts directory (`certs.d`). Invariant: every
+//! write is atomic, and one bad registry directory never stops the others.
 
 use std::fs;
 use std::io::Write;
@@ -31,16 +32,13 @@ pub enum Action {
     OperatorEntry,
     Restored,
     Removed,
-    /// Left untouched, with the reason (unparseable file, unsupported layout, legacy certs).
+    /// Left untouched, with the reason.
     Skipped(String),
-    /// Could not be read or written (a directory where the file should be, a read-only
-    /// mount, a full disk): left as it was (writes are atomic), the others still done.
+    /// Could not be read or written: left as it was, the others still done.
     Failed(String),
 }
 
 impl DirError {
-    /// This error as the outcome of its one file: one bad registry directory never stops
-    /// the others.
     fn outcome(self) -> Outcome {
         Outcome {
             action: Action::Failed(self.source.to_string()),
@@ -64,9 +62,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DirError + '_ {
     }
 }
 
-/// Writes Ferry's mirror entry into every `hosts.toml` the registries need. A file that cannot
-/// be merged, read or written is reported in its outcome and left as it is, and the others are
-/// still done; only a hosts directory that cannot be read or created at all is an error.
+/// Writes Ferry's entry into every `hosts.toml` the registries need. A file that fails is
+/// reported in its outcome; only an unusable hosts directory is an error.
 pub fn configure(
     hosts_dir: &Path,
     registries: &Registries,
@@ -77,8 +74,7 @@ pub fn configure(
     let targets: Vec<String> = match registries {
         Registries::Only(list) => list.clone(),
         Registries::All => {
-            // containerd ignores `_default` for a host with its own directory, so each of
-            // those gets the entry as well.
+            // containerd ignores `_default` for a host with its own directory.
             let mut dirs = existing_host_dirs(hosts_dir)?;
             dirs.retain(|d| d != DEFAULT_DIR);
             dirs.insert(0, DEFAULT_DIR.to_string());
@@ -145,10 +141,8 @@ fn configure_one(
     }
 }
 
-/// The API roots containerd resolves a tag of `registry` at once Ferry's entry is passed: the
-/// operator's resolving hosts, then the server. Found the way containerd finds them
-/// (`<host>_<port>_`, `<host>`, then `_default`); an unreadable or unparseable file leaves
-/// only the registry's default server, which is what containerd falls back to as well.
+/// The API roots containerd resolves a tag of `registry` at after Ferry's entry, with its
+/// directory lookup; a bad file leaves the default server, as in containerd.
 pub fn upstream_roots(hosts_dir: &Path, registry: &str, mirror_url: &str) -> Vec<String> {
     let default = || hosts::api_root(&default_upstream(registry), false);
     let mut candidates = Vec::new();
@@ -182,7 +176,7 @@ fn default_upstream(registry: &str) -> String {
     }
 }
 
-/// Removes what Ferry added anywhere under `hosts_dir`: needs nothing but the files there.
+/// Removes what Ferry added under `hosts_dir`, from the files alone.
 pub fn cleanup(hosts_dir: &Path) -> Result<Vec<Outcome>, DirError> {
     if !hosts_dir.exists() {
         return Ok(Vec::new());
@@ -198,7 +192,6 @@ pub fn cleanup(hosts_dir: &Path) -> Result<Vec<Outcome>, DirError> {
     Ok(outcomes)
 }
 
-/// One host directory's cleanup; `None` when there is nothing of Ferry's in it.
 fn cleanup_one(dir: &Path) -> Result<Option<Outcome>, DirError> {
     let _ = fs::remove_file(dir.join(TEMP_FILE));
     let path = dir.join(HOSTS_FILE);
@@ -255,8 +248,7 @@ fn has_legacy_certs(dir: &Path) -> Result<bool, DirError> {
     Ok(false)
 }
 
-/// Temp file in the same directory, fsync, rename: readers see the old file or the new one.
-/// The mode of an existing file is kept.
+/// Temp file, fsync, rename: readers see the old file or the new one. The mode is kept.
 fn write_atomic(path: &Path, text: &str) -> Result<(), DirError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(TEMP_FILE);

@@ -1,13 +1,10 @@
-//! The `hosts.toml` merge and cleanup, as pure text transformations.
-//!
-//! Ferry's entry is inserted as a marked block of text at the right place, not by re-rendering
-//! the document: the operator's bytes (comments, formatting, key order) are never rewritten,
-//! and cleanup removes exactly the bytes that were inserted. toml_edit parses the file to find
-//! where the block goes and checks the result before anything is written.
+//! The `hosts.toml` merge and cleanup, as pure text transformations: Ferry's entry is a marked
+//! block inserted where toml_edit finds the first host. Invariant: the operator's bytes are never
+//! rewritten, and cleanup removes exactly the bytes that were inserted.
 
 use toml_edit::Document;
 
-/// First line of Ferry's block. Cleanup finds the block by this line and [`BLOCK_END`].
+/// Cleanup finds Ferry's block by this line and [`BLOCK_END`].
 pub const BLOCK_BEGIN: &str = "# >>> ferry mirror: added by ferry, removed by `ferry cleanup`";
 pub const BLOCK_END: &str = "# <<< ferry mirror";
 /// First line of a file Ferry created in a directory that already existed.
@@ -17,18 +14,9 @@ pub const CREATED_FILE: &str =
 pub const CREATED_DIR: &str =
     "# ferry: this file and its directory were created by ferry; `ferry cleanup` deletes both";
 
-/// How a host whose URL holds an IPv6 address (`http://[fd00::5]:5480`) is written. No one
-/// form works on every containerd (each checked by hand with 1.6.20, 1.7.24 and 2.1.9):
-/// - containerd 1.6 and 1.7 read hosts.toml with go-toml v1, which refuses a `]` inside a
-///   table header, quoted or escaped ("table key cannot contain ']'"), and then drop the whole
-///   file (the operator's CA, credentials helper, other mirrors). A dotted key among the root
-///   keys (`host."http://[fd00::5]:5480".capabilities = [...]`) parses, and since they order
-///   hosts by line, it still comes first.
-/// - containerd 2.x reads only `[host."..."]` tables: a dotted or inline entry is ignored.
-///
-/// `Dotted` is the default, because it is the form that can never break a pull: on 2.x the
-/// entry is ignored (no mirror on that node) but the file still works. Ferry switches to
-/// `Tables` once containerd says it is 2.x or later.
+/// How a host whose URL holds an IPv6 address is written: containerd 1.x drops a file with `]`
+/// in a table header, 2.x ignores dotted keys (docs/design/how-it-works.md). `Dotted` is the
+/// default because it never breaks a pull; `Tables` once containerd says it is 2.x.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Ipv6Hosts {
     #[default]
@@ -37,7 +25,6 @@ pub enum Ipv6Hosts {
 }
 
 impl Ipv6Hosts {
-    /// The form for containerd of major version `major`.
     pub fn for_containerd(major: u32) -> Self {
         if major >= 2 {
             Ipv6Hosts::Tables
@@ -47,7 +34,7 @@ impl Ipv6Hosts {
     }
 }
 
-/// The capabilities a mirror gets: it may serve pulls and resolve tags, never pushes.
+/// A mirror serves pulls and resolves tags, never pushes.
 const CAPABILITIES: &str = r#"["pull", "resolve"]"#;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -66,26 +53,24 @@ pub enum MergeError {
     BrokenMarkers,
 }
 
-/// What a merge decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Merged {
-    /// The file already says what Ferry wants (run twice: nothing changes).
+    /// The file already says what Ferry wants.
     Unchanged,
-    /// The operator already lists this mirror URL themselves; their entry is left as it is.
+    /// The operator lists this mirror URL themselves; their entry stands.
     OperatorEntry,
     Updated(String),
 }
 
-/// What cleanup decided for one file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cleaned {
     /// Nothing of Ferry's in it.
     Untouched,
-    /// The file existed before Ferry: here are its original bytes.
+    /// The file's bytes from before Ferry.
     Restored(String),
     /// Ferry created the file (and the directory when `dir` is true): delete it.
     Delete { dir: bool },
-    /// Ferry's markers were edited by hand; the file is left as it is, with this reason.
+    /// Ferry's markers were edited by hand; the file is left as it is.
     Broken(String),
 }
 
@@ -97,8 +82,7 @@ pub fn default_server(host: &str) -> String {
     }
 }
 
-/// The text of a new `hosts.toml`: for a registry host (`Some`) with its `server`, for
-/// `_default` (`None`) without one, since there the server is each registry's own.
+/// A new `hosts.toml`; `None` is `_default`, which has no `server`.
 pub fn new_file(
     host: Option<&str>,
     mirror_url: &str,
@@ -115,8 +99,7 @@ pub fn new_file(
     if let Some(host) = host {
         skeleton.push_str(&format!("server = \"{}\"\n", default_server(host)));
     }
-    // A fresh skeleton always has the simple layout, so the merge cannot fail; fall back to
-    // the plain concatenation the merge would produce anyway.
+    // A fresh skeleton cannot fail to merge; the fallback is what the merge would produce.
     match merge(&skeleton, mirror_url, ipv6) {
         Ok(Merged::Updated(text)) => text,
         _ => format!(
@@ -126,8 +109,7 @@ pub fn new_file(
     }
 }
 
-/// Ferry's block, with the file's own line ending so CRLF files stay CRLF; a dotted key
-/// among the root keys when `dotted` (see [`needs_dotted`]), else a table.
+/// Ferry's block, with the file's own line ending so CRLF files stay CRLF.
 fn block(mirror_url: &str, dotted: bool, eol: &str) -> String {
     if dotted {
         return format!(
@@ -143,10 +125,8 @@ fn dotted_url(mirror_url: &str, ipv6: Ipv6Hosts) -> bool {
     mirror_url.contains('[') && ipv6 == Ipv6Hosts::Dotted
 }
 
-/// Whether Ferry's entry is written as a dotted key among the root keys instead of a
-/// `[host."..."]` table: for an IPv6 URL on containerd 1.x (see [`Ipv6Hosts`]), and when the
-/// operator's file already has dotted hosts (their IPv6 registries on 1.x), since a table of
-/// Ferry's cannot come before a root key.
+/// A dotted entry for an IPv6 URL on containerd 1.x, and when the operator already has dotted
+/// hosts, since a table of Ferry's cannot come before a root key.
 fn needs_dotted(doc: &Document<&str>, mirror_url: &str, ipv6: Ipv6Hosts) -> bool {
     let operator_dotted = doc.get("host").and_then(|h| h.as_table()).is_some_and(|h| {
         h.iter()
@@ -157,15 +137,14 @@ fn needs_dotted(doc: &Document<&str>, mirror_url: &str, ipv6: Ipv6Hosts) -> bool
 
 /// Adds Ferry's mirror entry to `existing`, first among the host tables.
 pub fn merge(existing: &str, mirror_url: &str, ipv6: Ipv6Hosts) -> Result<Merged, MergeError> {
-    // Start from the operator's own bytes: an earlier block of ours (perhaps for another URL,
-    // perhaps no longer first) is taken out and the merge is done afresh.
+    // An earlier block of ours (perhaps for another URL, or no longer first) is redone afresh.
     let base = remove_block(existing)?.unwrap_or_else(|| existing.to_string());
     let eol = if base.contains("\r\n") { "\r\n" } else { "\n" };
     let doc = Document::parse(base.as_str())
         .map_err(|e| MergeError::Unparseable(one_line(&e.to_string())))?;
     let hosts = host_tables(&doc)?;
     if hosts.iter().any(|(url, _)| url == mirror_url) {
-        // The operator lists this URL themselves: theirs stands, ours (if any) goes.
+        // The operator's own entry stands; ours (if any) goes.
         return Ok(if base == existing {
             Merged::OperatorEntry
         } else {
@@ -200,8 +179,7 @@ pub fn merge(existing: &str, mirror_url: &str, ipv6: Ipv6Hosts) -> Result<Merged
             )
         }
         None if base.is_empty() => block(mirror_url, dotted, eol),
-        // Appended after exactly one "\n" of ours (a blank line when the file ended with a
-        // newline, a line break when it did not); `cleanup` removes that one byte again.
+        // Appended after exactly one "\n" of ours, which `cleanup` removes again.
         None => format!("{base}{eol}{}", block(mirror_url, dotted, eol)),
     };
     verify(&text, mirror_url)?;
@@ -212,7 +190,7 @@ pub fn merge(existing: &str, mirror_url: &str, ipv6: Ipv6Hosts) -> Result<Merged
     }
 }
 
-/// Removes Ferry's block (and, for files Ferry created, says to delete them).
+/// Removes Ferry's block, or says to delete a file Ferry created.
 pub fn cleanup(text: &str) -> Cleaned {
     let rest = match remove_block(text) {
         Ok(Some(rest)) => rest,
@@ -227,8 +205,7 @@ pub fn cleanup(text: &str) -> Cleaned {
     }
 }
 
-/// Ferry's markers in a file: none, or exactly one BEGIN followed by one END. Anything else
-/// (half a block, two blocks) means the file was edited by hand: Ferry does not guess.
+/// None, or exactly one BEGIN before one END; anything else was edited by hand.
 fn block_lines(text: &str) -> Result<Option<(usize, usize)>, MergeError> {
     let all = |marker| {
         let mut found = Vec::new();
@@ -246,8 +223,7 @@ fn block_lines(text: &str) -> Result<Option<(usize, usize)>, MergeError> {
     }
 }
 
-/// The text without Ferry's block and the one line break Ferry added with it, or `None`
-/// when there is no block.
+/// The text without Ferry's block and the line break added with it.
 fn remove_block(text: &str) -> Result<Option<String>, MergeError> {
     let Some((begin, end_line)) = block_lines(text)? else {
         return Ok(None);
@@ -270,7 +246,6 @@ fn remove_block(text: &str) -> Result<Option<String>, MergeError> {
     Ok(Some(format!("{}{}", &text[..start], &text[end..])))
 }
 
-/// `Some(created_dir)` when the first line is one of Ferry's "created" markers.
 fn created_marker(text: &str) -> Option<bool> {
     match text.lines().next() {
         Some(CREATED_FILE) => Some(false),
@@ -286,15 +261,13 @@ fn is_skeleton(text: &str) -> bool {
         .all(|l| l.trim().is_empty() || l.starts_with("server = \"https://"))
 }
 
-/// `(url, byte offset where it first appears)` for every host: `[host."url"]` tables, and
-/// `host."url".key = ...` dotted keys among the root keys (how an IPv6 URL must be written
-/// for containerd before 2.0; see [`dotted`]).
+/// `(url, byte offset where it first appears)` for every host, tables and dotted keys alike.
 fn host_tables(doc: &Document<&str>) -> Result<Vec<(String, usize)>, MergeError> {
     let Some(host) = doc.get("host") else {
         return Ok(Vec::new());
     };
     let table = host.as_table().ok_or(MergeError::UnsupportedLayout)?;
-    // `[host]` itself, or `host = { ... }`: entries with no order containerd keeps.
+    // `[host]` itself, or `host = { ... }`: no order containerd keeps.
     if !table.is_implicit() && !table.is_dotted() {
         return Err(MergeError::UnsupportedLayout);
     }
@@ -303,13 +276,11 @@ fn host_tables(doc: &Document<&str>) -> Result<Vec<(String, usize)>, MergeError>
         .map(|(url, item)| {
             let t = item.as_table().ok_or(MergeError::UnsupportedLayout)?;
             let start = if t.is_dotted() {
-                // `host."url".capabilities = ...`: where its key is written.
                 let key = table.key(url).and_then(|k| k.span());
                 let nested = earliest(t);
                 key.map(|k| k.start).into_iter().chain(nested).min()
             } else {
-                // A host's sub-table (`[host."x".header]`) may come before `[host."x"]`
-                // itself; the host is where it first appears.
+                // A sub-table (`[host."x".header]`) may come before `[host."x"]`.
                 earliest(t)
             };
             let start = start.ok_or(MergeError::UnsupportedLayout)?;
@@ -318,7 +289,6 @@ fn host_tables(doc: &Document<&str>) -> Result<Vec<(String, usize)>, MergeError>
         .collect()
 }
 
-/// The first byte of a table or any table nested in it.
 fn earliest(table: &toml_edit::Table) -> Option<usize> {
     let own = table.span().map(|s| s.start);
     let nested = table.iter().filter_map(|(_, item)| match item {
@@ -329,8 +299,7 @@ fn earliest(table: &toml_edit::Table) -> Option<usize> {
     own.into_iter().chain(nested).min()
 }
 
-/// Parses the result and checks that Ferry's table is there and first in file order, which is
-/// the order containerd tries hosts in.
+/// Checks that Ferry's entry is first in file order, the order containerd tries hosts in.
 fn verify(text: &str, mirror_url: &str) -> Result<(), MergeError> {
     let doc =
         Document::parse(text).map_err(|e| MergeError::Verification(one_line(&e.to_string())))?;
@@ -352,12 +321,10 @@ fn verify(text: &str, mirror_url: &str) -> Result<(), MergeError> {
     Ok(())
 }
 
-/// Byte offset of the start of the line holding `offset`.
 fn line_start(text: &str, offset: usize) -> usize {
     text[..offset].rfind('\n').map_or(0, |i| i + 1)
 }
 
-/// Byte offset just past the newline ending the line that starts at `start` (or the end).
 fn line_end(text: &str, start: usize) -> usize {
     text[start..]
         .find('\n')
@@ -376,7 +343,6 @@ fn attached_comment_start(text: &str, mut at: usize) -> usize {
     at
 }
 
-/// Offset of the first line, at or after `from`, that is exactly `line`.
 fn find_line(text: &str, line: &str, from: usize) -> Option<usize> {
     let mut at = from;
     while at < text.len() {
@@ -393,10 +359,8 @@ fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// The API roots containerd tries for a tag after Ferry's entry, in its order: the operator's
-/// hosts that may resolve, then `server` (`None` when the file names none: containerd then
-/// uses the registry's default). Each root ends in `/v2` unless the host has `override_path`,
-/// as containerd builds them (remotes/docker/config/hosts.go, `parseHostConfig`).
+/// The API roots containerd tries for a tag after Ferry's entry, in its order: the resolving
+/// hosts, then `server`; built as containerd's `parseHostConfig` does.
 pub fn upstreams(
     text: &str,
     mirror_url: &str,
@@ -438,7 +402,6 @@ pub fn upstreams(
     Ok((listed, server))
 }
 
-/// `scheme://host[/path]` to the API root containerd requests under.
 pub fn api_root(url: &str, override_path: bool) -> String {
     let url = if url.starts_with("http") {
         url.to_string()
@@ -479,7 +442,6 @@ mod tests {
             !text.contains("[host.\"http://["),
             "no table header holds a ']'"
         );
-        // Run again: nothing changes; cleanup gives back the operator's bytes.
         assert_eq!(
             merge(&text, V6_MIRROR, Ipv6Hosts::Dotted).unwrap(),
             Merged::Unchanged
@@ -495,7 +457,6 @@ mod tests {
 
     #[test]
     fn an_operators_dotted_ipv6_host_is_kept_and_ferry_goes_before_it() {
-        // How an operator on containerd 1.6/1.7 must write an IPv6 registry's host.
         let input = "server = \"http://[fd00::1]:5000\"\nhost.\"http://[fd00::1]:5000\".capabilities = [\"pull\", \"resolve\"]\n";
         for mirror in ["http://127.0.0.1:5480", V6_MIRROR] {
             let text = merged(input, mirror);
@@ -518,7 +479,7 @@ mod tests {
         };
         assert!(text.contains(&format!("[host.\"{V6_MIRROR}\"]")), "{text}");
         verify(&text, V6_MIRROR).unwrap();
-        // A Ferry that learns containerd is 2.x rewrites its dotted entry as a table.
+        // Learning containerd is 2.x rewrites a dotted entry as a table.
         let dotted = merged(input, V6_MIRROR);
         assert_eq!(
             merge(&dotted, V6_MIRROR, Ipv6Hosts::Tables).unwrap(),

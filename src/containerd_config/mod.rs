@@ -1,5 +1,5 @@
-//! containerd's side of the setup: Ferry's `hosts.toml` mirror entries (merged into what the
-//! operator has, removed again by cleanup) and a read-only preflight of containerd's config.
+//! containerd's side of the setup: Ferry's `hosts.toml` entries (merged, removed by cleanup)
+//! and a read-only preflight of containerd's config.
 
 pub mod dir;
 pub mod hosts;

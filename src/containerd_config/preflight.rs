@@ -2,8 +2,7 @@
 
 use std::path::Path;
 
-/// One finding: a name (the `problem` label of `ferry_config_problems`, see `problems.rs`)
-/// and its text, worded for the operator, with the fix.
+/// One finding: its `problem` label of `ferry_config_problems` and its text, with the fix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Warning {
     pub problem: &'static str,
@@ -35,7 +34,6 @@ impl std::fmt::Display for Warning {
     }
 }
 
-/// The text, for the checks that read it.
 impl std::ops::Deref for Warning {
     type Target = str;
     fn deref(&self) -> &str {
@@ -43,16 +41,15 @@ impl std::ops::Deref for Warning {
     }
 }
 
-/// CRI plugin tables: containerd 1.x/2.x config version 2, and version 3 (containerd 2.x).
+/// CRI plugin tables: config version 2, and version 3 (containerd 2.x).
 const CRI_V2: &str = "io.containerd.grpc.v1.cri";
 const CRI_V3_IMAGES: &str = "io.containerd.cri.v1.images";
 
-/// At most this many files are read through `imports` (containerd follows them recursively).
+/// At most this many files are read through `imports`.
 const MAX_IMPORTS: usize = 64;
 
-/// Checks `config_file`, with the files it `imports`, against what Ferry needs. A missing file
-/// is a warning (containerd then runs on its defaults, where CRI's `config_path` is unset
-/// before 2.0), never a failure.
+/// Checks `config_file` and its `imports` against what Ferry needs. A missing file is a
+/// warning, never a failure.
 pub fn check(config_file: &Path, hosts_dir: &Path) -> Vec<Warning> {
     match load(config_file) {
         Ok(doc) => check_table(&doc, hosts_dir)
@@ -74,10 +71,8 @@ pub fn check(config_file: &Path, hosts_dir: &Path) -> Vec<Warning> {
     }
 }
 
-/// The config as containerd sees it: `config_file`, then each file it imports (globs with
-/// `*`, relative paths from the importing file's directory, recursively, each once), merged
-/// over it in order: a table merged key by key, any other value replaced, arrays appended to
-/// (containerd 1.7 and 2.x, `mergeConfig`).
+/// The config as containerd sees it: each import (recursively, each once) merged over it in
+/// order, as containerd's `mergeConfig` does: tables key by key, arrays appended, else replaced.
 fn load(config_file: &Path) -> std::io::Result<toml::Table> {
     let read = |path: &Path| -> std::io::Result<toml::Table> {
         let text = std::fs::read_to_string(path).map_err(|e| {
@@ -126,7 +121,7 @@ fn imports(doc: &toml::Table, path: &Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-/// `*` and `?` in the last path component (how imports are written: `conf.d/*.toml`).
+/// `*` and `?` in the last path component (`conf.d/*.toml`).
 fn glob(pattern: &Path) -> Vec<std::path::PathBuf> {
     let (Some(dir), Some(name)) = (pattern.parent(), pattern.file_name()) else {
         return Vec::new();
@@ -302,8 +297,7 @@ version = 2
         assert!(w[0].contains("no containerd config") && w[0].contains("config_path"));
     }
 
-    /// A real config that sets `config_path` in a drop-in file (how k3s-style and many
-    /// distribution configs are split) gets no false warning; a drop-in can also undo it.
+    /// `config_path` set in a drop-in gets no false warning; a drop-in can also undo it.
     #[test]
     fn imports_are_followed_and_merged_in_order() {
         let dir = tempfile::tempdir().unwrap();
@@ -325,8 +319,7 @@ version = 2
         let cri = &merged["plugins"]["io.containerd.grpc.v1.cri"];
         assert_eq!(cri["containerd"]["snapshotter"].as_str(), Some("overlayfs"));
 
-        // A later file (sorted) that discards layers, importing another that points
-        // config_path elsewhere.
+        // A later drop-in discards layers and imports one that moves config_path.
         std::fs::write(
             dir.path().join("conf.d/20-discard.toml"),
             "imports = [\"../other.toml\"]\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  discard_unpacked_layers = true\n",

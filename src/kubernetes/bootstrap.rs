@@ -1,12 +1,6 @@
-//! Peers from the Kubernetes API: the pods of Ferry's DaemonSet by label, dialled at the p2p
-//! port. With host networking a pod's IP is its node's.
-//!
-//! Listed when needed, never watched. Bootstrap needs addresses only while this node has no
-//! peer (at start, or after losing every one), and then only a few of them
-//! (`--bootstrap-dials`): Kademlia finds the rest. A watch on every node would send every
-//! change of every Ferry pod to every node for as long as they run (at 1,000 nodes, a rollout
-//! is a million pod events), for a list read a few seconds in a node's life. Pod metadata
-//! alone (a metadata-only watch) would not do: a pod's IP is in its status.
+//! Peers from the Kubernetes API: the DaemonSet's pods by label, dialled at the p2p port (with
+//! host networking a pod's IP is its node's). Invariant: listed only while this node has no
+//! peer, never watched, since a watch on every node sends every pod change to every node.
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -18,26 +12,20 @@ use libp2p::Multiaddr;
 
 use crate::routing::bootstrap::{Bootstrap, tcp_multiaddr};
 
-/// A list naming other nodes stands this long: redials while no peer answers (backing off
-/// from 50 ms, see the peer-to-peer event loop) use it, and a node that stays alone lists
-/// again after it, for pods that came since.
+/// A list naming other nodes stands this long for redials; a node still alone lists again.
 const LIST_FRESH: Duration = Duration::from_secs(30);
-/// A list naming no other node (the first pods of a new DaemonSet list before the others have
-/// an IP), or a failed one, is asked again after this long.
+/// A list naming no other node (the others may have no IP yet), or a failed one, is retried
+/// after this long.
 const LIST_RETRY: Duration = Duration::from_secs(5);
-/// A list that takes longer is given up (and retried after [`LIST_RETRY`]): a node without
-/// the API server still serves its own content, and bootstrap has other sources.
+/// A list that takes longer is given up: bootstrap has other sources.
 const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The DaemonSet's pods, listed at most once per [`LIST_FRESH`] (or [`LIST_RETRY`]), only
-/// when asked.
+/// The DaemonSet's pods, listed only when asked, at most once per [`LIST_FRESH`].
 pub(crate) struct KubernetesBootstrap {
     api: Api<Pod>,
     selector: String,
     port: u16,
-    /// The last list: when it was asked, whether it answered, and the pod IPs it named. Held
-    /// across a list, so that resolutions started while one is slow (the event loop looks
-    /// again every 50 ms at first) wait for its answer instead of listing again.
+    /// The last list (when, answered, IPs); held across a list so concurrent callers wait.
     last: tokio::sync::Mutex<Option<(Instant, bool, Vec<IpAddr>)>>,
 }
 
@@ -51,7 +39,7 @@ impl std::fmt::Debug for KubernetesBootstrap {
 }
 
 impl KubernetesBootstrap {
-    /// Pods matching `selector` in `namespace`, dialled at `port`. Asks the API nothing yet.
+    /// Asks the API nothing yet.
     pub(crate) fn new(client: kube::Client, namespace: &str, selector: &str, port: u16) -> Self {
         KubernetesBootstrap {
             api: Api::namespaced(client, namespace),
@@ -61,7 +49,6 @@ impl KubernetesBootstrap {
         }
     }
 
-    /// The pod IPs: the last list's while it stands, else a new list's.
     pub(crate) async fn pod_ips(&self) -> Vec<IpAddr> {
         let mut last = self.last.lock().await;
         if let Some((at, answered, ips)) = last.as_ref() {
@@ -74,7 +61,7 @@ impl KubernetesBootstrap {
                 return ips.clone();
             }
         }
-        // `resourceVersion=0` ("any"): served from the API server's cache, not from etcd.
+        // `resourceVersion=0`: served from the API server's cache, not from etcd.
         let params = ListParams::default().labels(&self.selector).match_any();
         let listed = tokio::time::timeout(LIST_TIMEOUT, self.api.list(&params)).await;
         let previous = last.take().map(|(_, _, ips)| ips).unwrap_or_default();
@@ -94,7 +81,6 @@ impl KubernetesBootstrap {
     }
 }
 
-/// The IPs of pods not being deleted, sorted, each once.
 fn pod_ips(pods: &[Pod]) -> Vec<IpAddr> {
     let mut ips: Vec<IpAddr> = pods
         .iter()

@@ -1,12 +1,6 @@
-//! `ferry wait-cleanup`: the Job of the chart's uninstall hook. `helm uninstall` starts a
-//! DaemonSet that runs `ferry cleanup` on every node; this waits until it has run everywhere,
-//! with Ferry's own image and nothing else (the hook used `bitnami/kubectl`, which is no longer
-//! published under that name).
-//!
-//! Helm deletes the hook's objects when the hook succeeds, but not when it fails: a failed or
-//! timed-out wait would leave the cleanup DaemonSet running on every node for good. So when the
-//! wait ends any other way than success (its timeout, a stop signal) this deletes the
-//! DaemonSet itself before exiting.
+//! `ferry wait-cleanup`, the uninstall hook's Job: waits until the cleanup DaemonSet has run on
+//! every node. Invariant: Helm deletes hook objects only on success, so a wait that ends any
+//! other way deletes the DaemonSet itself.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -20,7 +14,6 @@ pub struct WaitSettings {
     pub namespace: String,
     pub daemonset: String,
     pub timeout: Duration,
-    /// Between two looks at the DaemonSet's status.
     pub poll: Duration,
 }
 
@@ -32,9 +25,8 @@ pub enum Finished {
     GaveUp,
 }
 
-/// Waits until the DaemonSet has run on every node it is scheduled on; gives up at the
-/// timeout or when `stop` completes, and then deletes it. API errors are retried until the
-/// timeout (an API server restarting during an uninstall is no reason to leave it behind).
+/// Waits until the DaemonSet has run on every scheduled node; at the timeout or `stop`, deletes
+/// it. API errors are retried until the timeout.
 pub async fn wait(
     client: kube::Client,
     settings: &WaitSettings,
@@ -82,8 +74,8 @@ pub async fn wait(
     Ok(Finished::GaveUp)
 }
 
-/// Every node it is scheduled on runs the current template and is ready (its init container,
-/// `ferry cleanup`, has finished there). A DaemonSet scheduled nowhere is done.
+/// Every scheduled node runs the current template and is ready (`ferry cleanup`, its init
+/// container, has finished). A DaemonSet scheduled nowhere is done.
 fn rolled_out(ds: &DaemonSet) -> bool {
     let Some(status) = &ds.status else {
         return false;

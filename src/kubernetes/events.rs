@@ -1,5 +1,4 @@
-//! Events on this node's Node object, as `kubectl describe node` and `kubectl get events`
-//! show them next to the kubelet's own.
+//! Events on this node's Node object, shown next to the kubelet's own.
 
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -9,7 +8,6 @@ use kube::api::PostParams;
 /// Nodes are cluster-scoped; their events live here, as the kubelet's do.
 pub(crate) const EVENT_NAMESPACE: &str = "default";
 
-/// What an Event says.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct NodeEvent<'a> {
     /// `FerryReady`, `FerryMisconfigured`
@@ -19,7 +17,6 @@ pub(crate) struct NodeEvent<'a> {
     pub message: &'a str,
 }
 
-/// Records `event` on `node`.
 pub(crate) async fn record(
     client: &kube::Client,
     node: &str,
@@ -37,8 +34,7 @@ pub(crate) async fn record(
             api_version: Some("v1".into()),
             kind: Some("Node".into()),
             name: Some(node.to_string()),
-            // The kubelet's node events name the node as their uid too: `kubectl describe
-            // node` finds events by this reference.
+            // As the kubelet does: `kubectl describe node` finds events by this uid.
             uid: Some(node.to_string()),
             ..ObjectReference::default()
         },

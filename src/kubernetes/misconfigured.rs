@@ -1,7 +1,5 @@
-//! Configuration problems (`problems.rs`) as `FerryMisconfigured` Warning events on this
-//! node, with the fix: where an operator looks first (`kubectl describe node`, `kubectl get
-//! events`) when a node's pulls do not come from peers. Readiness is not touched: a node is
-//! never kept out of service by a warning.
+//! Configuration problems (`problems.rs`) as `FerryMisconfigured` Warning events on this node,
+//! where an operator looks first. Invariant: readiness is not touched by a warning.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -12,21 +10,15 @@ use tokio_util::sync::CancellationToken;
 use super::events::{self, NodeEvent};
 use crate::ops::problems::Problems;
 
-/// How often the problems are looked at: they change at most every few seconds (the
-/// containerd config is re-read each minute; a handshake failure holds for a while).
+/// How often the problems are looked at: they change at most every few seconds.
 pub(crate) const POLL: Duration = Duration::from_secs(5);
-/// A problem that comes back this soon after it was reported is not reported again (a flapping
-/// peer network would otherwise write an event every few seconds).
+/// A problem back this soon after its report is not reported again, so flapping is quiet.
 pub(crate) const REPEAT_AFTER: Duration = Duration::from_secs(600);
 
-/// Which problems to report now, given those that hold (`current`) and the last report of
-/// each; updates `state`. A problem is reported when it appears, unless it was reported less
-/// than `REPEAT_AFTER` ago.
+/// Which problems to report: each when it appears, unless reported within `REPEAT_AFTER`.
 #[derive(Debug, Default)]
 pub(crate) struct Reporter {
-    /// What held at the last look.
     holding: BTreeSet<&'static str>,
-    /// When each problem was last reported.
     reported: BTreeMap<&'static str, Instant>,
 }
 
@@ -51,19 +43,18 @@ impl Reporter {
         due
     }
 
-    /// `problem` was reported at `now`.
     pub(crate) fn reported(&mut self, problem: &'static str, now: Instant) {
         self.reported.insert(problem, now);
     }
 
-    /// The event for `problem` could not be written: try again at the next look.
+    /// The event could not be written: try again at the next look.
     pub(crate) fn failed(&mut self, problem: &'static str) {
         self.holding.remove(problem);
     }
 }
 
-/// Reports each problem of this node as it appears, until cancelled. Runs on its own task: an
-/// API server that is down delays nothing but the event.
+/// Reports each problem as it appears, until cancelled; on its own task, so a down API server
+/// delays nothing but the event.
 pub(crate) async fn report(
     client: kube::Client,
     node: String,
@@ -116,7 +107,6 @@ mod tests {
         r.reported("no_peers", t0);
         assert!(r.due(&p(&["no_peers"]), t0).is_empty(), "still holding");
         assert!(r.due(&p(&[]), t0).is_empty());
-        // Back within ten minutes: not again; back later: again.
         assert!(r.due(&p(&["no_peers"]), t0 + POLL).is_empty());
         r.due(&p(&[]), t0 + POLL * 2);
         let later = t0 + REPEAT_AFTER;

@@ -1,6 +1,5 @@
-//! The node-ready taint: nodes register with `ferry.dev/not-ready=:NoSchedule`, and Ferry
-//! removes it from its own node once it is ready, so workloads are scheduled only when the
-//! mirror is live. A node without the taint is left alone. An Event on the node records it.
+//! The node-ready taint (`ferry.dev/not-ready=:NoSchedule`), removed from this node once Ferry
+//! is ready, so workloads are scheduled only when the mirror is live.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +19,6 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub(crate) struct TaintConfig {
-    /// This node (`NODE_NAME` from the downward API).
     pub node: String,
     /// The taint key to remove; `None` leaves taints alone (the Event is still recorded).
     pub key: Option<String>,
@@ -32,9 +30,8 @@ pub(crate) enum Outcome {
     NotTainted,
 }
 
-/// Waits until Ferry is ready, then removes the taint (retrying with backoff while the API
-/// server is unreachable or the node changed under us) and records an Event. Runs on its own
-/// task: nothing waits for it.
+/// Waits until Ferry is ready, then removes the taint (retrying with backoff) and records an
+/// Event. Nothing waits for it.
 pub(crate) async fn remove_when_ready(
     client: kube::Client,
     config: TaintConfig,
@@ -78,9 +75,8 @@ pub(crate) async fn remove_when_ready(
     }
 }
 
-/// Removes taints with `key` from `node`. The patch carries the node's resourceVersion: if
-/// anything changed the node since we read it (another taint added), the API server refuses
-/// and we read again, so no one else's taint is ever lost.
+/// Removes taints with `key`. The patch carries the node's resourceVersion, so a concurrent
+/// change is refused and no one else's taint is ever lost.
 pub(crate) async fn remove(
     client: &kube::Client,
     node: &str,

@@ -1,4 +1,5 @@
-//! Every metric family Ferry exports, in one place.
+//! Every metric family Ferry exports, in one place. Invariant: every labelled series a reader
+//! relies on is created at start, so it exists (at 0) from the first scrape.
 
 pub(crate) mod process;
 
@@ -34,22 +35,21 @@ pub struct KindLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
-    /// mirror (answers to this node's containerd), peer (answers to other nodes)
+    /// mirror, peer
     pub listener: &'static str,
     /// manifest, blob
     pub kind: &'static str,
-    /// local (this node's containerd store), peer (another node), inflight (a download in
-    /// progress, on this node or a coalescing leader), miss (nobody: 404)
+    /// local, peer, inflight (a download in progress), miss (404)
     pub source: &'static str,
 }
 
-/// Every listener, kind and source `ferry_served_total` counts: created at start, so every
-/// series exists (at 0) from the first scrape and `rate()` sees the first request.
+/// Every listener, kind and source `ferry_served_total` counts, created at start so `rate()`
+/// sees the first request.
 pub const LISTENERS: [&str; 2] = ["mirror", "peer"];
 pub const SERVED_KINDS: [&str; 2] = ["manifest", "blob"];
 pub const SOURCES: [&str; 4] = ["local", "peer", "inflight", "miss"];
 
-/// The sources each listener can answer from: a peer is answered from this node only.
+/// A peer is answered from this node only.
 pub fn sources(listener: &str) -> &'static [&'static str] {
     if listener == "peer" {
         &["local", "inflight", "miss"]
@@ -85,8 +85,7 @@ pub struct LookupLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TagLabels {
-    /// upstream (404 at once: containerd asks the registry), peers (answered from another
-    /// node), none (peers were asked and had nothing)
+    /// upstream (404 at once), peers, none (peers had nothing)
     pub answer: &'static str,
 }
 
@@ -111,14 +110,13 @@ pub struct CoalesceLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProblemLabels {
-    /// See `problems.rs`: cluster_secret_changed, peer_handshake_failing, ...
+    /// See `problems.rs`.
     pub problem: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DirectionLabels {
-    /// incoming, outgoing (a handshake; an anchor: held on this node by another, held by
-    /// this node on another, or being asked for)
+    /// incoming, outgoing
     pub direction: &'static str,
 }
 
@@ -150,14 +148,12 @@ pub const DHT_REQUEST_KINDS: [&str; 5] = [
     "other",
 ];
 
-/// Latency buckets in seconds: a local hit answers in well under a millisecond, a large blob
-/// streams for seconds.
+/// Seconds: a local hit takes under a millisecond, a large blob seconds.
 const DURATION_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
 ];
 
-/// Provider lookup buckets in seconds: a LAN DHT answers in about a millisecond; a pull
-/// waits 20-100 ms by default (`--resolve-timeout`, `--resolve-timeout-max`), finer there.
+/// Seconds, finer where a pull waits for a lookup (20-100 ms by default).
 const LOOKUP_BUCKETS: [f64; 13] = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0,
 ];
@@ -533,10 +529,9 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition of every family.
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        // Encoding into a String cannot fail except on a formatter error, which it never has.
+        // Encoding into a String fails only on a formatter error.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }

@@ -1,22 +1,18 @@
-//! The standard `process_*` metrics every Prometheus exporter has (CPU, memory, file
-//! descriptors, start time), read from `/proc/self` at each scrape: no sampling task, no state.
-//! Names and meanings follow the Prometheus client libraries' process collector, so the
-//! dashboards operators already have work unchanged.
+//! The standard `process_*` metrics, read from `/proc/self` at each scrape (no task, no state).
+//! Invariant: names and meanings are the Prometheus process collector's, so dashboards work.
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
-/// `/proc`'s clock ticks per second (`USER_HZ`): 100 on every Linux architecture Ferry
-/// builds for; the kernel keeps it fixed for user space whatever its own `HZ`.
+/// `USER_HZ`: 100 on every Linux architecture Ferry builds for, whatever the kernel's `HZ`.
 const TICKS_PER_SECOND: f64 = 100.0;
 
 #[derive(Debug, Default)]
 pub(crate) struct ProcessCollector;
 
-/// One reading of `/proc/self`; a field is `None` where `/proc` could not be read (not Linux,
-/// a hardened `/proc`): that metric is left out rather than reported as 0.
+/// One reading of `/proc/self`; a field `None` where unreadable is left out, not reported as 0.
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct Reading {
     pub cpu_seconds: Option<f64>,
@@ -50,9 +46,8 @@ impl Reading {
     }
 }
 
-/// User plus system CPU seconds, and the start time in ticks after boot, from
-/// `/proc/self/stat`. The command name (field 2) may contain spaces and parentheses: fields
-/// are counted after its last `)`.
+/// CPU seconds and start ticks from `/proc/self/stat`, with fields counted after the command
+/// name's last `)`, since the name may contain spaces and parentheses.
 fn parse_stat(stat: &str) -> (Option<f64>, Option<u64>) {
     let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
         return (None, None);

@@ -1,12 +1,10 @@
-//! The address other nodes reach this one at, when none is given (`--advertise-addr`; the
-//! chart passes the node's IP, so this is for the systemd install): an address of the
-//! interface that carries the default route. The first address that is not loopback, which
-//! Ferry took before, is often a bridge's on such hosts (docker0's 172.17.0.1, cni0, virbr0,
-//! a link-local 169.254.x), which no other node can reach, and nothing said so.
+//! The address other nodes reach this one at when `--advertise-addr` is not given: one of the
+//! interface carrying the default route, since the first non-loopback address is often a
+//! bridge's (docker0, cni0) or link-local one that no other node can reach.
 
 use std::net::IpAddr;
 
-/// An address picked for this node, with where it came from (for the log line).
+/// An address picked for this node, with why (for the log line).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Chosen {
     pub ip: IpAddr,
@@ -14,7 +12,6 @@ pub(crate) struct Chosen {
     pub why: &'static str,
 }
 
-/// This host's pick: its interfaces' addresses and its routing tables, read now.
 pub(crate) fn reachable_ip() -> Option<Chosen> {
     let addrs: Vec<(String, IpAddr)> = if_addrs::get_if_addrs()
         .ok()?
@@ -29,8 +26,7 @@ pub(crate) fn reachable_ip() -> Option<Chosen> {
     choose(&addrs, &default_routes_v4(&v4), &default_routes_v6(&v6))
 }
 
-/// Interfaces with an IPv4 default route (destination and mask 0), lowest metric first, from
-/// `/proc/net/route`'s text.
+/// Interfaces with an IPv4 default route in `/proc/net/route`, lowest metric first.
 fn default_routes_v4(table: &str) -> Vec<String> {
     let mut routes: Vec<(u32, String)> = table
         .lines()
@@ -47,8 +43,8 @@ fn default_routes_v4(table: &str) -> Vec<String> {
     routes.into_iter().map(|(_, iface)| iface).collect()
 }
 
-/// Interfaces with an IPv6 default route (`::/0`), lowest metric first, from
-/// `/proc/net/ipv6_route`'s text. The kernel keeps an unreachable `::/0` on `lo`: left out.
+/// Interfaces with an IPv6 default route, lowest metric first; the kernel's unreachable `::/0`
+/// on `lo` is left out.
 fn default_routes_v6(table: &str) -> Vec<String> {
     let mut routes: Vec<(u32, String)> = table
         .lines()
@@ -64,8 +60,7 @@ fn default_routes_v6(table: &str) -> Vec<String> {
     routes.into_iter().map(|(_, iface)| iface).collect()
 }
 
-/// Names of the interfaces container runtimes, CNI plugins and hypervisors create: never
-/// what another node reaches this one at.
+/// Interfaces of container runtimes, CNI plugins and hypervisors: never reachable from others.
 const VIRTUAL_PREFIXES: &[&str] = &[
     "docker",
     "cni",
@@ -97,9 +92,8 @@ fn usable(ip: &IpAddr) -> bool {
     !ip.is_loopback() && !ip.is_unspecified() && !is_link_local(ip)
 }
 
-/// In order: an IPv4 address of an interface with an IPv4 default route; an IPv6 one of an
-/// interface with an IPv6 default route (an IPv6-only host); else the first usable IPv4,
-/// then IPv6, address of an interface that is not a bridge or a veth; else of any.
+/// In order: the IPv4, then IPv6, default route's interface; else the first usable address of
+/// a non-virtual interface; else of any.
 fn choose(
     addrs: &[(String, IpAddr)],
     v4_routes: &[String],
@@ -177,7 +171,6 @@ fe800000000000000000000000000000 40 00000000000000000000000000000000 00 00000000
 
     #[test]
     fn the_default_route_wins_over_a_bridge_listed_first() {
-        // docker0 and a link-local address come first, as they do on many hosts.
         let host = addrs(&[
             ("lo", "127.0.0.1"),
             ("docker0", "172.17.0.1"),

@@ -1,6 +1,5 @@
-//! Bounds on what clients can make Ferry hold: connections per listener and requests in
-//! flight. Beyond them, new connections wait in the kernel's accept queue (backpressure)
-//! rather than growing Ferry's memory.
+//! Bounds on connections per listener and requests in flight. Invariant: beyond them, new
+//! connections wait in the kernel's accept queue rather than growing Ferry's memory.
 
 use std::io;
 use std::pin::Pin;
@@ -11,11 +10,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Open connections per listener. containerd opens a few per pull; a node runs a handful of
-/// pulls at once; peers add one pool each. Thousands is generous and still bounded.
+/// Open connections per listener: containerd opens a few per pull, peers one pool each.
 pub(crate) const MAX_CONNECTIONS: usize = 2048;
-/// Requests being answered at once per listener, bodies included (each holds at most one read
-/// buffer).
+/// Requests answered at once per listener, bodies included.
 pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 
 /// A TCP listener that accepts at most `limit` connections at a time.
@@ -35,7 +32,6 @@ impl LimitedListener {
 }
 
 impl LimitedListener {
-    /// Every slot is taken: the next connection waits until one closes.
     pub fn is_full(&self) -> bool {
         self.permits.available_permits() == 0
     }
@@ -46,8 +42,7 @@ impl axum::serve::Listener for LimitedListener {
     type Addr = std::net::SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        // The semaphore is never closed, so acquiring cannot fail; fall back to unlimited
-        // rather than panic if it ever were.
+        // The semaphore is never closed; unlimited rather than a panic if it were.
         let permit = self.permits.clone().acquire_owned().await.ok();
         let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
         let _ = stream.set_nodelay(true);
@@ -73,12 +68,11 @@ pub struct LimitedStream {
 }
 
 impl LimitedStream {
-    /// The address this connection reached (one of this host's).
     pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
         self.inner.local_addr()
     }
 
-    /// The socket itself, for sending a file with `sendfile` (`registry::zero_copy`).
+    /// The socket, for `sendfile` (`registry::zero_copy`).
     pub fn tcp(&self) -> &TcpStream {
         &self.inner
     }

@@ -9,15 +9,12 @@ use tokio_util::task::TaskTracker;
 use super::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
 use super::server::{self, Bounds, HEAD_DEADLINE};
 
-/// The kernel's queue of connections not yet accepted (capped by `net.core.somaxconn`). The
-/// default of 128 overflows under a burst of connections at the connection limit, and an
-/// overflowing queue drops the handshake's last packet: the client believes it is connected
-/// while the server retries for seconds.
+/// The accept queue (capped by `net.core.somaxconn`): 128 overflows under a burst at the
+/// connection limit, and an overflow leaves a client believing it is connected for seconds.
 const LISTEN_BACKLOG: i32 = 4096;
 
-/// Binds `addr`. The IPv6 wildcard `[::]` takes IPv4 connections too (whatever the host's
-/// `net.ipv6.bindv6only`), so one value (the chart's) works on IPv4, IPv6 and dual-stack
-/// nodes; on a host whose kernel has IPv6 turned off it falls back to `0.0.0.0`.
+/// Binds `addr`; `[::]` takes IPv4 too (whatever `net.ipv6.bindv6only` says) and falls back to
+/// `0.0.0.0` on a host without IPv6, so one value works on every node.
 pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     match listen_on(addr) {
         Err(e) if addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) => {
@@ -44,8 +41,7 @@ fn listen_on(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::from_std(socket.into())
 }
 
-/// Serves `router` on `listener`, with the connection, request and header bounds, until
-/// `token` is cancelled; the task is tracked so shutdown can drain it.
+/// Serves `router` on `listener` with the bounds until `token` is cancelled; tracked for drain.
 pub(crate) fn spawn(
     tracker: &TaskTracker,
     token: &CancellationToken,

@@ -1,5 +1,5 @@
-//! Network plumbing, no policy: the accept loop with its deadlines, connection and request
-//! bounds, the sending rate to other nodes, and the address other nodes reach this one at.
+//! Network plumbing, no policy: the accept loop, connection and request bounds, the sending
+//! rate, the advertised address.
 
 pub(crate) mod host_addr;
 pub(crate) mod limits;

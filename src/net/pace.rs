@@ -1,7 +1,6 @@
-//! A node's sending rate to other nodes (`--peer-upload-limit`): one schedule every peer
-//! response draws from, so a rollout through this node cannot take its whole link.
-//!
-//! Invariant: over any interval, at most the rate times the interval plus one burst leaves.
+//! A node's sending rate to other nodes (`--peer-upload-limit`), one schedule for every peer
+//! response. Invariant: over any interval, at most the rate times the interval plus one burst
+//! leaves.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -10,13 +9,12 @@ use axum::body::Body;
 use futures::StreamExt;
 use tokio::time::Instant;
 
-/// Sent ahead of the schedule at most: smooths the chunking without breaking the rate.
+/// Sent ahead of the schedule at most: smooths the chunking.
 const BURST: Duration = Duration::from_millis(50);
 
 #[derive(Debug)]
 pub(crate) struct Pace {
     bytes_per_second: u64,
-    /// When the bytes reserved so far will have been sent at the rate.
     next: Mutex<Instant>,
 }
 
@@ -41,7 +39,6 @@ impl Pace {
     }
 }
 
-/// `body`, each chunk waiting for `pace` before it goes out.
 pub(crate) fn paced(body: Body, pace: std::sync::Arc<Pace>) -> Body {
     let chunks = body.into_data_stream().then(move |chunk| {
         let pace = pace.clone();
@@ -70,7 +67,6 @@ mod tests {
                 pace.clone(),
             )
         };
-        // Two responses of 2 MiB each, read at once: 4 MiB at 1 MiB/s.
         let (a, b) = tokio::join!(
             axum::body::to_bytes(body(8), usize::MAX),
             axum::body::to_bytes(body(8), usize::MAX)

@@ -1,15 +1,7 @@
-//! Serving a router on a listener with hyper directly, with the bounds a hostile or broken
-//! client must not get past:
-//! - **A deadline from accept to a complete request head** ([`HEAD_DEADLINE`]), and again
-//!   from the end of each response to the next request's head. hyper's own header read timeout
-//!   starts only with the first byte, and the HTTP/2 preface has none: a client that connects
-//!   and says nothing (or trickles header bytes) would otherwise hold a connection slot forever.
-//!   A connection is closed only while no request of it is being answered: a slow reader of a
-//!   large blob keeps its connection.
-//! - **At the connection limit, the longest-idle connection makes room** for the next one,
-//!   so a flood of idle connections cannot keep containerd, peers or the kubelet's probes out.
-//! - **Requests in flight are counted until their body is sent**, not only until their
-//!   headers are ready (a thousand slow readers of a large blob are a thousand requests).
+//! Serving a router with hyper directly, with the bounds of docs/security.md: a deadline to each
+//! request head (hyper's starts only at the first byte; HTTP/2's preface has none), eviction of
+//! the longest-idle at the limit, requests counted until their body is sent. Invariant: a
+//! connection is closed only while none of its requests is being answered.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -31,28 +23,23 @@ use tower::ServiceExt;
 
 use crate::net::limits::LimitedListener;
 
-/// containerd and peers send a request's head at once, on a connection they opened to send
-/// it; 10 s is generous for a loaded node.
+/// containerd and peers send a request's head at once; 10 s is generous for a loaded node.
 pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Connections closed at once when the listener is full (see `evict_longest_idle`).
 const EVICT_BATCH: usize = 64;
-/// hyper queues response bytes up to this much per connection before it stops asking the
-/// body for more (its default is about 400 KiB): a reader that stops reading holds at most one
-/// more body chunk in memory, not two. Measured with 2,000 stalled readers of a 48 MiB blob.
+/// hyper's write queue per connection (default about 400 KiB): a reader that stops reading
+/// holds at most one more body chunk in memory, not two.
 const WRITE_QUEUE_BYTES: usize = 64 * 1024;
 
-/// Bounds for one listener, as values.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
-    /// From accept (or the end of the last response) to a complete request head.
     pub head_deadline: Duration,
     /// Requests answered at once, bodies included; more wait for a slot.
     pub in_flight: usize,
 }
 
-/// Accepts until `stop`, then lets every open connection finish its request in flight (idle
-/// keep-alive connections close at once) and returns when all are closed.
+/// Accepts until `stop`, then returns once open connections have finished their requests.
 pub async fn serve(
     mut listener: LimitedListener,
     router: axum::Router,
@@ -97,7 +84,6 @@ pub async fn serve(
         tokio::spawn(async move {
             tokio::select! {
                 ended = conn => if let Err(e) = ended {
-                    // Timeouts, resets, malformed requests: the client's problem, not ours.
                     tracing::trace!(error = %e, "connection ended with an error");
                 },
                 // Dropping the connection closes its socket.
@@ -112,7 +98,7 @@ pub async fn serve(
     graceful.shutdown().await;
 }
 
-/// The listener's open connections, for eviction at the limit. One owner: this table.
+/// The listener's open connections, for eviction at the limit.
 #[derive(Default)]
 struct Connections {
     next: AtomicU64,
@@ -136,9 +122,8 @@ impl Connections {
         self.lock().remove(&state.id);
     }
 
-    /// Closes the [`EVICT_BATCH`] connections that have waited longest for a request. A batch,
-    /// not one: a burst of new connections waits in the kernel's queue while the listener is
-    /// full, and one eviction per accept drains it too slowly.
+    /// Closes the [`EVICT_BATCH`] connections idle longest: a batch, because one eviction per
+    /// accept drains a burst in the kernel's queue too slowly.
     fn evict_longest_idle(&self) {
         let open = self.lock();
         let mut idle: Vec<&Arc<ConnState>> = open
@@ -162,7 +147,6 @@ impl Connections {
     }
 }
 
-/// One connection: how many of its requests are being answered, since when it has none.
 struct ConnState {
     id: u64,
     busy: AtomicUsize,
@@ -179,8 +163,7 @@ impl ConnState {
         *self.idle_since.lock().unwrap_or_else(|e| e.into_inner()) = at;
     }
 
-    /// Returns once the connection has had no request for `deadline`, or is evicted while it
-    /// has none.
+    /// Returns once the connection has been idle for `deadline`, or is evicted while idle.
     async fn idle_too_long(&self, deadline: Duration) {
         loop {
             let busy = self.busy.load(Ordering::Acquire) > 0;
@@ -205,8 +188,7 @@ impl ConnState {
     }
 }
 
-/// A request of a connection being answered; ends when its response body has been sent (or
-/// dropped).
+/// A request being answered, until its response body is sent or dropped.
 struct Busy {
     conn: Arc<ConnState>,
     _slot: Option<OwnedSemaphorePermit>,
@@ -219,8 +201,6 @@ impl Drop for Busy {
     }
 }
 
-/// One request: counted busy on its connection, holding an in-flight slot until its body is
-/// done.
 async fn answer(
     req: hyper::Request<hyper::body::Incoming>,
     router: axum::Router,
@@ -243,8 +223,7 @@ pub struct ConnAddrs {
 }
 
 impl ConnAddrs {
-    /// The client runs on this host: it came from loopback (`::ffff:127.0.0.1` included, a
-    /// dual-stack listener's IPv4 client), or from the very address it connected to.
+    /// The client came from loopback (IPv4-mapped included) or from the address it connected to.
     pub fn same_host(&self) -> bool {
         let ip = self.remote.ip();
         let mapped = match ip {

@@ -5,9 +5,8 @@ use std::str::FromStr;
 
 use sha2::Digest as _;
 
-/// A validated content digest. Only algorithms containerd stores under `blobs/<alg>/` are
-/// accepted, and the encoded part is lowercase hex of the exact length, so the pair can never
-/// form a path outside the content directory.
+/// A content digest of an algorithm containerd stores under `blobs/<alg>/`, in lowercase hex of
+/// the exact length, so it can never form a path outside the content directory.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Digest {
     algorithm: Algorithm,
@@ -47,7 +46,6 @@ pub enum DigestError {
 }
 
 impl Digest {
-    /// The digest of `data` with sha256.
     pub fn sha256_of(data: &[u8]) -> Self {
         Digest {
             algorithm: Algorithm::Sha256,

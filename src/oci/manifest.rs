@@ -1,8 +1,5 @@
-//! Recognising manifests and their media types from their bytes.
-//!
-//! containerd's content store keeps bytes and labels but no media type, so a manifest asked
-//! for by digest has its type read from its own JSON. Anything that is not a manifest is
-//! refused, so `/manifests/<layer digest>` cannot serve a layer as a manifest.
+//! Manifests' media types read from their own JSON, since containerd's store keeps none.
+//! Invariant: anything that is not a manifest is refused, so a layer is never served as one.
 
 use serde::Deserialize;
 
@@ -11,8 +8,7 @@ pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
 pub const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
 
-/// Manifests larger than this are refused: the spec recommends registries accept at least
-/// 4 MiB, and containerd itself refuses larger ones.
+/// The spec's recommended minimum, and containerd's own maximum.
 pub const MAX_MANIFEST_BYTES: u64 = 4 * 1024 * 1024;
 
 const KNOWN: [&str; 4] = [OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LIST];

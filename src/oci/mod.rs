@@ -1,7 +1,5 @@
-//! Pure OCI distribution domain code: no I/O, no async.
-//!
-//! Everything here parses untrusted input (request paths, headers, manifest bytes) and must
-//! return an error for bad input, never panic.
+//! Pure OCI distribution domain code, no I/O. Invariant: it parses untrusted input and returns
+//! an error for bad input, never panics.
 
 pub mod digest;
 pub(crate) mod error;

@@ -56,9 +56,8 @@ pub enum PathError {
     DigestInvalid(#[from] DigestError),
 }
 
-/// Parses the raw (not percent-decoded) request path. Valid names, tags and digests never
-/// need percent-encoding, so a `%` anywhere is rejected rather than decoded: an encoded slash
-/// or NUL can never change how the path is split.
+/// Parses the raw request path. Valid names never need percent-encoding, so a `%` is rejected
+/// rather than decoded: an encoded slash or NUL can never change how the path is split.
 pub fn parse(raw_path: &str) -> Result<ApiPath, PathError> {
     let rest = match raw_path.strip_prefix("/v2") {
         Some("" | "/") => return Ok(ApiPath::Base),

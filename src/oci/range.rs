@@ -23,9 +23,8 @@ impl ByteRange {
     }
 }
 
-/// `(offset, length)` of what to read from a blob of `size` bytes: all of it, or the range
-/// clamped to the blob, so a caller passing a range for another size gets a short read, never
-/// an out-of-bounds one.
+/// `(offset, length)` to read from a blob of `size` bytes, clamped so that a range for another
+/// size reads short, never out of bounds.
 pub fn span(range: Option<ByteRange>, size: u64) -> (u64, u64) {
     match range {
         Some(r) if r.start < size && r.start <= r.end => {

@@ -1,7 +1,6 @@
 //! Repository names and tags, validated against the OCI distribution spec grammar.
 
-/// The spec caps a repository name (with its registry host) at 255 characters; we apply it to
-/// the name alone because the host is not part of the request path.
+/// The spec's cap on a name with its host, applied to the name alone (the path has no host).
 pub const MAX_NAME_LEN: usize = 255;
 
 /// Tags are `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
@@ -35,8 +34,7 @@ fn validate_component(component: &str) -> Result<(), &'static str> {
             i += 1;
             continue;
         }
-        // A separator run: ".", "_", "__" or one or more "-"; it must be followed by alnum,
-        // which the first/last check and the loop guarantee.
+        // A separator run: ".", "_", "__" or one or more "-".
         let start = i;
         let sep = bytes[i];
         while i < bytes.len() && !alnum(bytes[i]) {

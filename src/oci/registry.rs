@@ -1,7 +1,5 @@
-//! Which registries Ferry mirrors and which images it shares: domain values that the
-//! registry, the store-to-DHT sync and the hosts.toml writer all need, parsed by `config`.
+//! Which registries Ferry mirrors and which images it shares, as domain values parsed by `config`.
 
-/// Which registries Ferry mirrors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Registries {
     All,
@@ -17,9 +15,8 @@ impl Registries {
     }
 }
 
-/// Which images are shared with peers: regexes on `registry/repo[:tag]`; a leading `!`
-/// excludes. An image is shared when it matches some inclusion (or there are none) and no
-/// exclusion.
+/// Regexes on `registry/repo[:tag]`, `!` excluding: an image is shared when it matches some
+/// inclusion (or there are none) and no exclusion.
 #[derive(Debug, Clone, Default)]
 pub struct RegistryFilters {
     filters: Vec<(bool, regex::Regex)>,
@@ -73,8 +70,7 @@ impl RegistryFilters {
     }
 }
 
-/// `host[:port]` or `[ipv6][:port]`: also the name of its directory in the hosts dir, so no
-/// path tricks (an IPv6 address holds only hex digits and colons).
+/// `host[:port]` or `[ipv6][:port]`; it names a directory in the hosts dir, so no path tricks.
 pub fn registry_host(host: &str) -> Result<(), &'static str> {
     if host.contains("://") {
         return Err(

@@ -1,6 +1,5 @@
-//! `/debug` (`--debug-page`): what `ferry status` shows, as a page an operator opens through
-//! `kubectl port-forward`, and a test pull of a digest through the peer path. Rendered from
-//! `ops::status` on each request (no second source of truth); this host's clients only.
+//! `/debug` (`--debug-page`): `ferry status` as a page, and a test pull through the peer path.
+//! Invariant: rendered from `ops::status` on each request, for this host's clients only.
 
 use std::fmt::Write;
 
@@ -30,11 +29,11 @@ pub(crate) async fn page(State(s): State<Sources>, request: axum::extract::Reque
 #[derive(Debug, Deserialize)]
 pub(crate) struct TestPullQuery {
     digest: String,
-    /// `json` for the report as JSON (scripts); HTML otherwise.
+    /// `json` for JSON; HTML otherwise.
     format: Option<String>,
 }
 
-/// `GET /debug/test-pull?digest=sha256:...`: the digest through the peer path, reported.
+/// `GET /debug/test-pull?digest=sha256:...`
 pub(crate) async fn test_pull(
     State(s): State<Sources>,
     Query(q): Query<TestPullQuery>,

@@ -1,5 +1,5 @@
-//! The operations listener: `/metrics`, `/healthz`, `/readyz`, `/status` (what `ferry status`
-//! prints, as JSON) and, when turned on, `/debug` (the same as a page, and a test pull).
+//! The operations listener: `/metrics`, `/healthz`, `/readyz`, `/status` and, when turned on,
+//! `/debug`. Invariant: what names images and peers answers this host only.
 
 pub(crate) mod debug_page;
 pub mod problems;
@@ -23,15 +23,14 @@ use crate::registry::recent::RecentPulls;
 use crate::routing::ContentRouting;
 use status::{Condition, PeerView, Status};
 
-/// The conditions of readiness. Each is set by the one task that owns that condition.
+/// The conditions of readiness, each set by the one task that owns it.
 #[derive(Debug, Default)]
 pub struct Readiness {
     pub hosts_written: AtomicBool,
     pub listening: AtomicBool,
     pub containerd_up: AtomicBool,
-    /// A bootstrap source names other nodes and none is connected yet (for at most
-    /// `watch::FIRST_PEER_WAIT`): a node of a new pool is not ready until it can ask its peers,
-    /// so the kubelet's first pulls (held back by the ready taint) do not all go upstream.
+    /// No peer yet although bootstrap names some (at most `watch::FIRST_PEER_WAIT`), so the
+    /// kubelet's first pulls on a new pool do not all go upstream.
     pub waiting_for_peers: AtomicBool,
 }
 
@@ -43,7 +42,6 @@ impl Readiness {
             && !self.waiting_for_peers.load(Ordering::Relaxed)
     }
 
-    /// Each condition, by name, and whether it holds.
     pub fn conditions(&self) -> Vec<(&'static str, bool)> {
         let holds = |b: &AtomicBool| b.load(Ordering::Relaxed);
         vec![
@@ -65,24 +63,20 @@ impl Readiness {
     }
 }
 
-/// Everything the ops listener reports on, each owned elsewhere and only read here.
+/// Everything the ops listener reports on, owned elsewhere and only read here.
 #[derive(Clone)]
 pub struct Sources {
     pub readiness: Arc<Readiness>,
     pub metrics: Arc<Metrics>,
     pub problems: Arc<Problems>,
     pub recent: Arc<RecentPulls>,
-    /// `None` when peer-to-peer is off.
     pub peers: Option<Arc<dyn ContentRouting>>,
-    /// Fetching from peers (passed-over peers, the test pull); `None` when peer-to-peer is off.
+    /// `None` when peer-to-peer is off, as are `peers` and `exposed`.
     pub fetcher: Option<Arc<PeerFetcher>>,
-    /// What this node advertises (digests and tags); `None` when peer-to-peer is off.
     pub exposed: Option<tokio::sync::watch::Receiver<crate::routing::sync::Exposed>>,
-    /// Downloads this node leads, follows or relays; `None` when coalescing is off.
+    /// `None` when coalescing is off.
     pub coalesce: Option<Arc<Coalescer>>,
-    /// Serve `/debug` (`--debug-page`).
     pub debug_page: bool,
-    /// The Kubernetes node name, when known.
     pub node: Option<String>,
 }
 
@@ -110,7 +104,6 @@ pub fn router(sources: Sources) -> Router {
 
 type OpsState = Sources;
 
-/// The state behind `ferry status`, now.
 pub fn status(s: &Sources) -> Status {
     let now = std::time::SystemTime::now();
     let view = |p: &crate::routing::Peer| PeerView {
@@ -195,10 +188,8 @@ pub fn status(s: &Sources) -> Status {
     }
 }
 
-/// Whether `request` came from this host. `/status` and `/debug` name images and peers: they
-/// answer this host only (`ferry status` runs on the node, or in the pod through `kubectl
-/// exec`; `kubectl port-forward` connects from the node too), never the network the metrics
-/// address is on.
+/// Whether `request` came from this host (`kubectl exec` and `port-forward` do too), for the
+/// pages that name images and peers.
 pub fn from_this_host(request: &axum::extract::Request) -> bool {
     request
         .extensions()

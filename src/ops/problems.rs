@@ -1,9 +1,6 @@
-//! Problems that make Ferry less useful on this node without making its mirror unready: a
-//! split peer network, a cluster secret that changed under a running node. Readiness stays
-//! about the mirror itself (a warning never keeps a node out of service); each problem is a
-//! line in `/readyz`'s body, a series of `ferry_config_problems{problem}` and one warning in the
-//! log when it appears. Whoever detects a problem sets it; a problem seen only at moments
-//! (a failed handshake) is set for a while and lapses on its own.
+//! Problems that make Ferry less useful on this node without making it unready: each is a line
+//! in `/readyz`, a `ferry_config_problems` series and a log warning. Invariant: a problem never
+//! changes readiness; one seen only at moments is set for a while and lapses on its own.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -28,13 +25,11 @@ pub struct Problems {
 #[derive(Debug, Clone)]
 struct Problem {
     detail: String,
-    /// `None`: until cleared.
     until: Option<Instant>,
 }
 
 impl Problems {
-    /// Every problem's series is created at 0, so an alert or a dashboard sees it from the
-    /// first scrape.
+    /// Every problem's series starts at 0, so alerts see it from the first scrape.
     pub fn new(metrics: Arc<Metrics>) -> Self {
         let problems = Problems {
             active: Mutex::new(BTreeMap::new()),
@@ -63,7 +58,6 @@ impl Problems {
         }
     }
 
-    /// The problems that hold now, by name, with their details.
     pub fn current(&self) -> Vec<(&'static str, String)> {
         let now = Instant::now();
         let mut active = self.lock();
@@ -100,7 +94,7 @@ impl Problems {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, Problem>> {
-        // A panic while holding this lock left a complete map behind: keep using it.
+        // A panic under this lock leaves a complete map: keep using it.
         self.active.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -1,7 +1,5 @@
-//! What `ferry status` prints and the ops listener's `/status` serves: this node's readiness
-//! and each condition, its problems, its peers, what it advertises, what its containerd got
-//! and from where, and its last pulls. Built on request from the same in-process state as
-//! `/readyz` and `/metrics` (no second source of truth).
+//! What `ferry status` prints and `/status` serves. Invariant: built on request from the same
+//! in-process state as `/readyz` and `/metrics`, never a second source of truth.
 
 use serde::{Deserialize, Serialize};
 
@@ -12,36 +10,30 @@ use crate::registry::recent::Pull;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
     pub version: String,
-    /// The Kubernetes node name, when known.
     pub node: Option<String>,
     pub ready: bool,
     pub conditions: Vec<Condition>,
     pub problems: Vec<Problem>,
-    /// This node as its peers reach it; `None` when peer-to-peer is off.
+    /// `None` when peer-to-peer is off.
     pub this_node: Option<PeerView>,
     pub peers: Vec<PeerView>,
-    /// Peers this node's fetches pass over now (they failed; quarantined: they served wrong
-    /// bytes).
+    /// Peers this node's fetches pass over now.
     #[serde(default)]
     pub passed_over: Vec<PassedOver>,
-    /// Blobs this node leads, follows or relays now (a rollout), newest first.
+    /// Newest first.
     #[serde(default)]
     pub in_flight: Vec<InFlightPart>,
     pub advertised_keys: i64,
     /// The images (registry/repository:tag) among them; the rest are digests.
     #[serde(default)]
     pub advertised_tags: Vec<String>,
-    /// What this node's containerd got through the mirror (`listener` "mirror") and what
-    /// this node served other nodes (`listener` "peer"), by kind and source.
+    /// What the mirror and the peer address served, by kind and source.
     pub served: Vec<Served>,
-    /// How long a pull waits now for a lookup's first provider, in milliseconds
-    /// (`registry::peer::bound`); `None` when peer-to-peer is off.
+    /// The wait for a lookup's first provider now (`registry::peer::bound`).
     #[serde(default)]
     pub lookup_wait_ms: Option<u64>,
-    /// Lookups that wait cut whose walk found a provider afterwards (since start).
     #[serde(default)]
     pub lookups_found_late: u64,
-    /// Blobs found not to match their digest before serving a peer.
     pub corrupt_blobs: u64,
     /// Newest first.
     pub recent: Vec<Pull>,
@@ -63,7 +55,6 @@ pub struct Problem {
 pub struct PeerView {
     pub id: String,
     pub addr: String,
-    /// Seconds since this node connected to it, where known.
     #[serde(default)]
     pub connected_s: Option<u64>,
 }
@@ -71,9 +62,8 @@ pub struct PeerView {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PassedOver {
     pub id: String,
-    /// Seconds until it is asked again.
     pub seconds_left: u64,
-    /// It served bytes that did not match their digest (not only a failure to answer).
+    /// It served wrong bytes, not only failed to answer.
     pub quarantined: bool,
 }
 
@@ -83,14 +73,13 @@ pub struct Served {
     pub kind: String,
     pub source: String,
     pub requests: u64,
-    /// Bytes sent (not counted for misses).
     pub bytes: u64,
 }
 
 /// The counters of `metrics` that `Status` shows, nonzero ones only.
 pub fn served(metrics: &Metrics) -> Vec<Served> {
     let mut out = Vec::new();
-    // Every one of these series exists from the start (`Metrics::new`): reading creates none.
+    // These series exist from the start (`Metrics::new`): reading creates none.
     for listener in metrics::LISTENERS {
         for kind in metrics::SERVED_KINDS {
             for &source in metrics::sources(listener) {
@@ -117,7 +106,7 @@ pub fn served(metrics: &Metrics) -> Vec<Served> {
 }
 
 impl Status {
-    /// Readable text, as `ferry status` prints it; `now` is seconds since the Unix epoch.
+    /// As `ferry status` prints it; `now` is seconds since the Unix epoch.
     pub fn text(&self, now: u64) -> String {
         let yes_no = |b: bool| if b { "yes" } else { "no" };
         let mut out = format!(
@@ -249,7 +238,7 @@ impl Status {
     }
 }
 
-/// `sha256:abcd… leader -> 2 followers (a, b)`, as status and the debug page show it.
+/// One in-flight blob, as status and the debug page show it.
 pub fn in_flight_line(p: &InFlightPart) -> String {
     let digest: String = p.digest.chars().take(19).collect();
     let from = p

@@ -1,5 +1,4 @@
-//! Every way a registry request can fail, turned into a status and the spec's JSON body in
-//! this one place.
+//! Every way a registry request can fail, as a status and the spec's JSON body, in one place.
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -25,18 +24,16 @@ pub enum ApiError {
     Unsupported,
     #[error("ferry serves pulls only: method not allowed")]
     MethodNotAllowed,
-    /// The same answer whatever was wrong and whatever was asked: nothing about what exists.
+    /// The same answer whatever was wrong: nothing about what exists.
     #[error("authentication required")]
     Unauthorized,
-    /// An answer that could not be built (a header value the store or a peer gave is not
-    /// valid HTTP): a miss, so containerd moves on, never an empty success.
+    /// A header value is not valid HTTP: a miss, never an empty success.
     #[error("the answer could not be built: {0}")]
     Build(#[from] axum::http::Error),
 }
 
 impl ApiError {
-    /// A store failure while looking for a manifest: a miss either way, so containerd moves
-    /// to the next host at once.
+    /// A store failure is a miss, so containerd moves on at once.
     pub fn manifest(e: StoreError) -> Self {
         log_store_error(&e);
         ApiError::ManifestUnknown

@@ -1,7 +1,6 @@
-//! Answers out of a download in progress (`store::downloads`), for both routers: a follower
-//! on the peer address, and a second request of this node's containerd on the mirror
-//! (`coalesce::transfers`). Invariant: one place opens a download for a request ([`open`]) and one
-//! builds its answer ([`respond`]).
+//! Answers out of a download in progress, to a follower (peer address) or to a second request
+//! of this node's containerd (mirror). Invariant: one place opens a download ([`open`]) and
+//! one answers from it ([`respond`]).
 
 use std::time::Duration;
 
@@ -20,19 +19,15 @@ use crate::oci::{DOCKER_CONTENT_DIGEST, Digest};
 use crate::store::downloads::{self, InFlight};
 use crate::store::{ByteStream, ContentStore, StoreError};
 
-/// A download that lands nothing for this long is given up on by the streams reading it
-/// (their askers resume elsewhere): as `--peer-idle-timeout`'s default.
+/// A download landing nothing this long is given up on (as `--peer-idle-timeout`).
 pub(super) const IDLE: Duration = Duration::from_secs(5);
 
-/// containerd renames a download into place, then records the commit: a blob whose file is
-/// there may be unknown to containerd for a moment. Asked again this often, this many times
-/// (half a second in all).
+/// containerd renames a download into place before it records the commit, so a landed blob
+/// may be unknown to it for a moment: asked again this often, this many times.
 pub(super) const COMMIT_RECORD_POLL: Duration = Duration::from_millis(10);
 pub(super) const COMMIT_RECORD_TRIES: usize = 50;
 
-/// The request's range, if any: only ranges to the end are served from a download in
-/// progress (containerd resumes with `bytes=<offset>-`); any other is a miss, and the
-/// asker goes elsewhere.
+/// Only ranges to the end (containerd resumes with `bytes=<offset>-`) come from a download.
 pub(super) fn range_to_end(headers: &HeaderMap, total: u64) -> Result<Option<ByteRange>, ApiError> {
     let Some(v) = headers.get(header::RANGE) else {
         return Ok(None);
@@ -47,25 +42,22 @@ pub(super) fn range_to_end(headers: &HeaderMap, total: u64) -> Result<Option<Byt
     Ok(Some(r))
 }
 
-/// What is read out of the download: from the range's start (or 0) to `total`.
 pub(super) struct InFlightBody {
     pub stream: ByteStream,
     pub total: u64,
     pub range: Option<ByteRange>,
 }
 
-/// What opening a download for a request found.
 pub(super) enum Opened {
     Body(InFlightBody),
-    /// It landed before it could be opened: answer from the landed blob.
+    /// Landed before it could be opened: answer from the landed blob.
     Landed,
-    /// It landed nothing before the deadline: not to be followed.
+    /// Nothing landed before the deadline: not to be followed.
     Stalled,
 }
 
-/// Opens `download` from the request's range (to the end) on. With `alive_by`, only a download
-/// that is alive by then: a follower whose leader has nothing (its containerd died, its
-/// upstream refused) hears so in time to go upstream itself, instead of stalling mid-body.
+/// Opens `download` from the request's range on. With `alive_by`, only a download alive by
+/// then: a follower whose leader has nothing hears so in time to go upstream itself.
 pub(super) async fn open(
     download: &InFlight,
     headers: &HeaderMap,
@@ -89,8 +81,7 @@ pub(super) async fn open(
             total,
             range,
         })),
-        // Committed (renamed away) between being found and being opened, as a small blob
-        // often is.
+        // Committed between being found and being opened, as a small blob often is.
         Err(e) => {
             tracing::debug!(error = %e, "the download landed before it was opened");
             Ok(Opened::Landed)
@@ -98,8 +89,7 @@ pub(super) async fn open(
     }
 }
 
-/// A landed blob ([`ContentStore::landed`], in any containerd namespace), from the request's
-/// range (to the end) on.
+/// A landed blob, in any containerd namespace, from the request's range on.
 pub(super) async fn open_landed(
     store: &dyn ContentStore,
     digest: &Digest,
@@ -119,8 +109,7 @@ pub(super) async fn open_landed(
     })
 }
 
-/// The answer out of a download: a manifest read whole and checked, or a blob streamed as it
-/// lands (checked on the way when `verify`: the asker does not hash it itself).
+/// With `verify`, a blob is hashed on the way.
 pub(super) async fn respond(
     head: bool,
     manifest: bool,
@@ -135,9 +124,7 @@ pub(super) async fn respond(
     blob(head, digest, body, verify, counter)
 }
 
-/// A blob's response, streamed as its download lands. Content-Length is set: a stream that
-/// errors (the download aborted, stalled or did not match) makes hyper cut the connection,
-/// and the asker resumes elsewhere; never a short blob.
+/// A blob streamed as it lands; Content-Length is set, so an error cuts the connection.
 fn blob(
     head: bool,
     digest: &Digest,
@@ -180,7 +167,7 @@ fn blob(
     Ok(response.body(body)?)
 }
 
-/// A manifest in flight: read whole (they are small), checked, then served like a stored one.
+/// Manifests are small: read whole and checked.
 async fn manifest(
     head: bool,
     digest: &Digest,

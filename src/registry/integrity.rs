@@ -1,13 +1,7 @@
-//! A blob is checked against its digest before this node serves it to a peer. containerd
-//! verified it when it committed it, but the file may have changed since (bit rot, a bad disk,
-//! tampering): a peer that streams such bytes to containerd fails the asking node's pull,
-//! because containerd resumes the cut-off transfer from the next host with a Range and
-//! commits the mixed bytes. A blob that does not match is withdrawn from the DHT, counted,
-//! logged, and answered with a 404, so the asking node goes elsewhere at once.
-//!
-//! Each file is hashed once: the verdict is kept for the file it was reached on (device,
-//! inode, size, modification time), so a file that is rewritten is checked again, and
-//! concurrent requests for one unchecked blob share one hash.
+//! A stored blob is checked against its digest before it is served to a peer: the file may
+//! have changed since containerd committed it (`docs/security.md`). A bad blob is withdrawn,
+//! counted, logged and a 404. Invariant: each version of a file (device, inode, size, mtime)
+//! is hashed once, and concurrent requests for one unchecked blob share one hash.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -20,22 +14,19 @@ use crate::oci::Digest;
 use crate::routing::{ContentRouting, digest_key};
 use crate::store::ContentStore;
 
-/// Verdicts kept at most (about 100 bytes each); beyond, they are forgotten and reached again.
+/// Verdicts kept at most (about 100 bytes each).
 const MAX_VERDICTS: usize = 100_000;
-/// Read size while hashing.
 const READ_CHUNK: usize = 1 << 20;
 
-/// What a check found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Check {
     Good,
-    /// The file does not match its digest: never served.
+    /// Does not match its digest: never served.
     Bad,
-    /// No file to check (the store reads it some other way): served as before.
+    /// No file to check: served as before.
     Unknown,
 }
 
-/// The identity of a file's contents as far as the file system tells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct FileId {
     dev: u64,
@@ -45,13 +36,11 @@ struct FileId {
 }
 
 pub struct Integrity {
-    /// Where the blob files are.
     store: Arc<dyn ContentStore>,
-    /// To withdraw what this node must not serve.
     router: Arc<dyn ContentRouting>,
     metrics: Arc<Metrics>,
     verdicts: Mutex<HashMap<Digest, (FileId, bool)>>,
-    /// One hash per digest at a time; entries go when their hash is done.
+    /// One hash per digest at a time.
     hashing: Mutex<HashMap<Digest, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -76,11 +65,8 @@ impl Integrity {
         }
     }
 
-    /// Whether the blob's file matches `digest`, hashing it unless it was already checked.
-    /// The hash runs to its end even if the asker stops waiting: a peer gives up on the
-    /// response headers after `--peer-first-byte-timeout` (2 s), less than hashing a blob of a
-    /// few GiB takes, and a hash dropped with its request would be started again, from zero,
-    /// by every later asker, so such a blob would never be served. Its verdict serves the next.
+    /// Whether the file matches `digest`. The hash runs to its end even if the asker gives up:
+    /// a blob hashing longer than a first-byte timeout would otherwise never be served.
     pub async fn check(self: &Arc<Self>, digest: &Digest) -> Check {
         let Some(path) = self.store.blob_file(digest) else {
             return Check::Unknown;
@@ -97,7 +83,6 @@ impl Integrity {
             .unwrap_or(Check::Unknown)
     }
 
-    /// One hash per digest at a time; a waiter finds the verdict its predecessor reached.
     async fn check_unknown(&self, digest: &Digest, path: &Path, id: FileId) -> Check {
         let turn = {
             let mut hashing = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
@@ -190,7 +175,6 @@ mod tests {
     use crate::store::memory::MemoryStore;
     use std::path::PathBuf;
 
-    /// A store keeping `bytes` as a file, as containerd's content directory does.
     fn setup(bytes: &[u8]) -> (tempfile::TempDir, Arc<dyn ContentStore>, Digest, PathBuf) {
         let tmp = tempfile::tempdir().unwrap();
         let store = MemoryStore::with_files(tmp.path());
@@ -213,7 +197,7 @@ mod tests {
         assert_eq!(check.check(&digest).await, Check::Good);
         assert_eq!(check.check(&digest).await, Check::Good, "remembered");
 
-        // 16 KiB overwritten in the middle: a new modification time, checked again.
+        // Overwritten in the middle: a new modification time, checked again.
         std::thread::sleep(std::time::Duration::from_millis(20));
         let mut rotten = bytes.clone();
         rotten[1_500_000..1_500_000 + 16_384].fill(0xAA);
@@ -228,7 +212,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_check_its_asker_gave_up_on_still_reaches_a_verdict() {
-        // 64 MiB: tens of milliseconds of hashing, far more than the asker waits here.
+        // Tens of milliseconds of hashing, far more than the asker waits here.
         let bytes: Vec<u8> = (0..64u32 << 20).map(|i| (i % 253) as u8).collect();
         let (_tmp, store, digest, path) = setup(&bytes);
         let me = crate::routing::Peer {

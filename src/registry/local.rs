@@ -1,5 +1,4 @@
-//! Serving from this node's own content store. Both addresses use it: the mirror for
-//! digests, the peer address for digests and tags.
+//! Serving from this node's own content store, for both addresses.
 
 use std::sync::Arc;
 
@@ -18,7 +17,6 @@ use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_med
 use crate::oci::{self, Digest, Reference};
 use crate::store::{ContentStore, StoreError};
 
-/// This node's content, and where its lookups are counted.
 #[derive(Clone)]
 pub(super) struct Local {
     pub store: Arc<dyn ContentStore>,
@@ -26,8 +24,7 @@ pub(super) struct Local {
 }
 
 impl Local {
-    /// A manifest by digest, or by tag as this node's image store names it (the peer
-    /// address only: the mirror never answers a tag from here).
+    /// A manifest by digest, or by tag (the peer address only).
     pub(super) async fn manifest(
         &self,
         head: bool,
@@ -37,7 +34,7 @@ impl Local {
     ) -> Result<Response, ApiError> {
         let (digest, declared) = match reference {
             Reference::Tag(tag) => {
-                // Without the registry, `name:tag` is ambiguous across registries: a miss.
+                // Without the registry, `name:tag` is ambiguous: a miss.
                 let ns = ns.ok_or(ApiError::ManifestUnknown)?;
                 let found = self.store.resolve(ns, name, &tag).await;
                 self.record("manifest", &found);
@@ -93,9 +90,7 @@ impl Local {
         Ok(response.body(Body::from(bytes))?)
     }
 
-    /// A blob, whole or one range of it. `zero_copy`: the asker offered the upgrade of
-    /// `zero_copy.rs` (the peer address only); a large enough blob stored as a file is then
-    /// sent with `sendfile`.
+    /// A blob, whole or a range; by `sendfile` when `zero_copy` was offered and it is large.
     pub(super) async fn blob(
         &self,
         head: bool,
@@ -152,13 +147,12 @@ impl Local {
             .open(digest, range)
             .await
             .map_err(ApiError::blob)?;
-        // Content-Length is set, so a stream that ends early or errors makes hyper drop the
-        // connection: containerd sees a failed transfer, never a short blob.
+        // Content-Length is set: a stream that errors drops the connection, never a short blob.
         let body = Body::from_stream(stream);
         Ok(response.body(body)?)
     }
 
-    /// The blob's committed file, open, if it is the size the store says.
+    /// The blob's committed file, if it is the size the store says.
     async fn file(&self, digest: &Digest, size: u64) -> Option<std::fs::File> {
         let path = self.store.blob_file(digest)?;
         let file = tokio::fs::File::open(path).await.ok()?;
@@ -166,8 +160,7 @@ impl Local {
         (actual == size).then_some(file.into_std().await)
     }
 
-    /// Where bytes sent past hyper are counted: the peer address's `ferry_served_bytes_total`
-    /// for blobs from this node's store, as [`request::handle`](super::request) counts the rest.
+    /// The peer address's served bytes of local blobs, counted past hyper.
     fn peer_bytes(&self) -> prometheus_client::metrics::counter::Counter {
         self.metrics
             .served_bytes

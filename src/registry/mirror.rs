@@ -1,13 +1,7 @@
 //! The mirror address: what this node's containerd may ask, and the only place Ferry asks
-//! other nodes. Its answers, explicitly:
-//! - `GET /v2/`: 200.
-//! - a manifest by digest, a blob: this node's store, then peers that hold it, then (when
-//!   several nodes miss it at once) the node downloading it as the leader (`coalesce`), then
-//!   a 404 at once;
-//! - a manifest by tag: never from this node's store (containerd already has that record and
-//!   asks only to hear the registry's); `--resolve-tags` sends it upstream (a 404 at once) or
-//!   through peers (see `tags.rs`);
-//! - anything else (pushes, tag lists, other methods): refused.
+//! other nodes. By digest: this node's store, peers, a coalescing leader's download, else a
+//! 404 at once. A tag: upstream or through peers (`tags.rs`), never this node's store.
+//! Invariant: a request with the hop header is never forwarded, so requests travel one hop.
 
 use std::sync::Arc;
 
@@ -34,24 +28,20 @@ use crate::store::ContentStore;
 use crate::store::downloads::Landing;
 use crate::wire::HOP_HEADER;
 
-/// What the mirror's handler needs; shared read-only by every request.
 #[derive(Clone)]
 pub struct MirrorState {
     pub store: Arc<dyn ContentStore>,
     pub registries: Registries,
     pub metrics: Arc<Metrics>,
-    /// Other nodes, asked on a local miss; `None` when peer-to-peer is off.
+    /// Asked on a local miss; `None` when peer-to-peer is off.
     pub peers: Option<Arc<PeerFetcher>>,
-    /// When tags are resolved through peers.
     pub tags: ResolveTags,
-    /// Whether each registry answers; consulted for `ResolveTags::WhenUpstreamFails` only
-    /// (`None`: every registry counts as answering).
+    /// For `WhenUpstreamFails` (`None`: every registry answers).
     pub upstream: Option<UpstreamWatch>,
-    /// Which images are shared with peers: only those are coalesced.
+    /// Only images shared with peers are coalesced.
     pub filters: RegistryFilters,
-    /// Leader/follower coordination of simultaneous misses; `None` when off.
     pub coalesce: Option<Arc<Coalescer>>,
-    /// The last answers, for `ferry status`.
+    /// For `ferry status`.
     pub recent: Arc<RecentPulls>,
 }
 
@@ -69,8 +59,8 @@ struct Mirror {
     local: Local,
 }
 
-/// The mirror address's router. Every path goes to one handler that parses the raw path
-/// itself: names contain slashes, and percent-decoding must not happen before validation.
+/// One handler parses the raw path itself: names contain slashes, and percent-decoding must
+/// not happen before validation.
 pub(crate) fn router(state: MirrorState) -> Router {
     let local = Local {
         store: state.store.clone(),
@@ -112,8 +102,7 @@ async fn answer(mirror: &Mirror, req: Pull) -> Result<Response, ApiError> {
     }
 }
 
-/// A tag: upstream (a 404 at once, so containerd asks the next host and finally the
-/// registry) or through peers, as `--resolve-tags` and the registry's state say.
+/// A tag: upstream (a 404 at once) or through peers, as `--resolve-tags` says.
 async fn resolve_tag(
     mirror: &Mirror,
     req: &Pull,
@@ -130,8 +119,7 @@ async fn resolve_tag(
             .inc();
         remember(state, req, what(), "manifest", source, response);
     };
-    // Without the registry (`ns`), a tag is ambiguous across registries; without peers, or
-    // for a request from a peer, there is no one to ask.
+    // No `ns`: ambiguous across registries. No peers, or a peer's request: nobody to ask.
     let (Some(peers), Some(ns), false) = (
         state.peers.as_deref(),
         req.ns.as_deref(),
@@ -181,10 +169,7 @@ async fn resolve_tag(
     }
 }
 
-/// A miss nobody holds: coordinate with the nodes missing it too. This node leads (a 404, its
-/// containerd goes upstream), or follows a download in progress (the leader's or a relay's);
-/// a source that gives nothing is reported and the decision taken again, once. Anything else
-/// is a 404, as without.
+/// A miss nobody holds: lead (a 404) or follow a download; a failed source is reported, once.
 async fn follow(
     mirror: &Mirror,
     req: &Pull,
@@ -275,10 +260,7 @@ impl Kind {
     }
 }
 
-/// A blob or a manifest by digest: this node's store; on a miss, another request of this
-/// node transferring it now (`coalesce::transfers`); then other nodes that hold it (unless this
-/// request came from a peer: a peer serves only its own content, so requests never travel
-/// further than one hop); then the node downloading it as the leader (`follow`); then a 404.
+/// By digest: store, own transfer, peers (not for a peer), a leader's download, else a 404.
 async fn by_digest(
     mirror: &Mirror,
     req: &Pull,
@@ -341,7 +323,6 @@ async fn by_digest(
     }
 }
 
-/// This node's store.
 async fn local(
     mirror: &Mirror,
     req: &Pull,
@@ -363,9 +344,7 @@ async fn local(
     }
 }
 
-/// The coalescer, if this request may be coalesced: coalescing is on, the request is this
-/// node's containerd's (not a peer's: never forwarded) and for an image shared with peers
-/// (`--registry-filters`: a filtered registry is never followed or served).
+/// The coalescer, for this node's containerd asking for an image shared with peers.
 fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a Coalescer> {
     let coalesce = state.coalesce.as_deref()?;
     let ns = req.ns.as_deref()?;
@@ -373,10 +352,7 @@ fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a 
     (shared && !req.headers.contains_key(HOP_HEADER)).then_some(coalesce)
 }
 
-/// A second request of this node's containerd, answered from the first one's download:
-/// in progress, or just landed (read from its file, whichever containerd namespace it landed
-/// in: this node's store may not list it yet, or ever). `None` when it cannot be read after
-/// all (then the usual path answers).
+/// A second request of this node's containerd, answered from the first one's download.
 async fn share(
     state: &MirrorState,
     req: &Pull,
@@ -389,8 +365,7 @@ async fn share(
     let body = match landing {
         Landing::InFlight(download) => match in_flight::open(&download, &req.headers, None).await {
             Ok(Opened::Body(body)) => body,
-            // Landed between being found growing and being opened, as a small blob often
-            // does. (Seen on containerd 1.7: the request went upstream a second time.)
+            // Landed between being found growing and being opened, as a small blob often does.
             Ok(Opened::Landed | Opened::Stalled) => landed().await.ok()?,
             Err(_) => return None,
         },
@@ -404,7 +379,6 @@ async fn share(
     answer.await.ok()
 }
 
-/// `response`, with `transfer` kept alive until its body has been sent.
 fn keep(response: Response, transfer: Option<Transfer>) -> Response {
     match transfer {
         Some(transfer) => request::holding(response, transfer),
@@ -412,8 +386,7 @@ fn keep(response: Response, transfer: Option<Transfer>) -> Response {
     }
 }
 
-/// Keeps an answer among the recent pulls (`ferry status`; HEADs are containerd's existence
-/// checks before a GET, not pulls of their own).
+/// Keeps an answer for `ferry status`; HEADs are existence checks, not pulls.
 fn remember(
     state: &MirrorState,
     req: &Pull,
@@ -431,8 +404,6 @@ fn remember(
     state.recent.record(kind, what, source.label(), bytes);
 }
 
-/// `response`, remembered and marked as coming from `source`, for `request::handle` to count
-/// (`ferry_served_total`, `ferry_served_bytes_total`).
 fn served_by(
     state: &MirrorState,
     req: &Pull,

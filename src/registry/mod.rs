@@ -1,9 +1,6 @@
-//! The registry API (the pull subset of the OCI distribution spec) on two addresses with two
-//! routers, each with its own explicit list of answers: the mirror (`mirror.rs`: what this
-//! node's containerd may ask; the only place other nodes are asked) and the peer address
-//! (`peer_api.rs`: what other nodes may ask; this node's own advertised content only). Both
-//! share the request parsing (`request.rs`), the local store (`local.rs`) and the errors
-//! (`error.rs`, translated to HTTP in that one place).
+//! The registry API (the pull subset of the OCI distribution spec) on two routers, each with
+//! its own explicit list of answers: the mirror (`mirror.rs`, this node's containerd) and the
+//! peer address (`peer_api.rs`, other nodes). Invariant: errors become HTTP in `error.rs` only.
 
 mod error;
 mod in_flight;

@@ -1,17 +1,7 @@
-//! The peer address: what other nodes may ask. Its answers, explicitly:
-//! - every request first shows a token signed with the cluster secret (when there is one),
-//!   or gets a 401 and learns nothing;
-//! - `GET /v2/`: 200;
-//! - a manifest by digest or by tag, a blob: from this node's own store, and only what this
-//!   node advertises (so `--registries` and `--registry-filters` hold for serving too). Tags
-//!   are served here: that is how another node resolves one while its registry is down.
-//! - a blob or manifest by digest this node is fetching as a coalescing leader or follower,
-//!   asked with the follow header: streamed out of containerd's download in progress (a
-//!   follower relays its own download, `docs/design/relays.md`);
-//! - `POST /_ferry/v1/claim/<digest>`: who leads that digest's download (this node as the
-//!   digest's coordinator, see `coalesce`);
-//! - anything else: refused. Nothing is ever asked of other nodes from here, so a request
-//!   travels one hop at most.
+//! The peer address: what other nodes may ask, after a token signed with the cluster secret
+//! (else a 401 that reveals nothing): what this node advertises (tags too, for a node whose
+//! registry is down), downloads it leads or relays, to followers, and claims it coordinates.
+//! Invariant: nothing is asked of other nodes from here, so a request travels one hop at most.
 
 use std::sync::Arc;
 
@@ -50,25 +40,20 @@ use crate::trust::{ClusterSecret, token};
 use crate::wire::{CLAIM_PATH, FOLLOW_HEADER, TOKEN_HEADER};
 use tokio::time::Instant;
 
-/// What the peer address's handler needs; shared read-only by every request.
 #[derive(Clone)]
 pub struct PeerApiState {
     pub store: Arc<dyn ContentStore>,
     pub registries: Registries,
     pub metrics: Arc<Metrics>,
-    /// Who may ask: `None` serves anyone (Ferry warns loudly at start).
+    /// `None` serves anyone (Ferry warns loudly at start).
     pub secret: Option<ClusterSecret>,
-    /// What this node advertises: the peer address serves nothing else (but what it is
-    /// downloading as a coalescing leader, to followers).
+    /// Nothing else is served, but downloads in progress to followers.
     pub exposed: watch::Receiver<Exposed>,
-    /// Claims and in-flight serving; `None` when coalescing is off.
     pub coalesce: Option<Arc<Coalescer>>,
-    /// Checks a blob against its digest before it is served (`None`: served unchecked).
+    /// `None`: blobs are served unchecked.
     pub integrity: Option<Arc<Integrity>>,
-    /// Accept the zero-copy upgrade when the asker offers it (`zero_copy.rs`).
     pub zero_copy: bool,
-    /// Every answer's body paced to `--peer-upload-limit` (then no zero-copy: `sendfile`
-    /// bypasses the pacing).
+    /// Paces every answer's body; then no zero-copy, since `sendfile` bypasses the pacing.
     pub(crate) upload_limit: Option<Arc<Pace>>,
 }
 
@@ -86,9 +71,7 @@ struct PeerApi {
     local: Local,
 }
 
-/// The peer address's router: claims, and pulls through one handler (for the same reason as
-/// the mirror's). Every request shows its token first ([`authorized`]); pulls are counted and
-/// logged ([`request::counted`]), 401s included.
+/// Claims, and pulls through one handler; the token is checked first.
 pub(crate) fn router(state: PeerApiState) -> Router {
     let local = Local {
         store: state.store.clone(),
@@ -127,7 +110,6 @@ impl Mirrored for Arc<PeerApi> {
     }
 }
 
-/// A claim from another node: this node coordinates the digest.
 async fn claim(State(api): State<Arc<PeerApi>>, Path(digest): Path<String>, uri: Uri) -> Response {
     let state = &api.state;
     let Some(coalesce) = &state.coalesce else {
@@ -194,10 +176,7 @@ async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
     }
 }
 
-/// A blob from this node's store, unless its file no longer matches its digest
-/// (`integrity.rs`): then a 404, and the asking node goes elsewhere at once. Also on the
-/// follow path: a leader's lease outlives its download, and a follower that comes after the
-/// commit is served the stored blob. `zero_copy`: sent with `sendfile` (`zero_copy.rs`).
+/// A stored blob, unless its file no longer matches its digest: then a 404 (`integrity.rs`).
 async fn stored_blob(
     api: &PeerApi,
     req: &Pull,
@@ -226,8 +205,7 @@ fn by_digest(path: &ApiPath) -> Option<&Digest> {
     }
 }
 
-/// A follower asks for what this node leads or follows (relays): from the store if
-/// containerd has committed it already, else out of containerd's download as it lands.
+/// What this node leads or relays: stored, else out of containerd's download as it lands.
 async fn in_flight(
     api: &PeerApi,
     coalesce: &Coalescer,
@@ -252,9 +230,7 @@ async fn in_flight(
     let deadline = Instant::now() + wait;
     let store = api.state.store.as_ref();
     let landing = downloads::wait_for(store, digest, wait).await;
-    // The blob may be committed at any moment (a small one within milliseconds); containerd
-    // records the commit just after the rename, so a blob that landed may be unknown to it
-    // for a moment.
+    // containerd records a commit after the rename: a landed blob may briefly be unknown.
     let settled = || async {
         for _ in 0..in_flight::COMMIT_RECORD_TRIES {
             match complete().await {
@@ -275,7 +251,7 @@ async fn in_flight(
             }
             _ => ingest,
         },
-        // Committed meanwhile, or never started (then the follower goes elsewhere).
+        // Committed meanwhile, or never started (the follower goes elsewhere).
         Landing::Committed | Landing::Nothing => return settled().await,
     };
     let body = match in_flight::open(&download, &req.headers, Some(deadline)).await? {
@@ -298,9 +274,7 @@ async fn in_flight(
     Ok(request::sourced(answer, Source::InFlight))
 }
 
-/// Middleware: peer requests carry a token signed with the cluster secret (when there is
-/// one). Checked before anything else, so an unauthenticated caller learns nothing about what
-/// exists.
+/// Middleware: the token comes first, so a caller without one learns nothing.
 async fn authorized(State(api): State<Arc<PeerApi>>, request: Request, next: Next) -> Response {
     match authorize(
         &api.state,
@@ -335,7 +309,7 @@ fn authorize(
     })
 }
 
-/// Does this node advertise what is asked? The peer address serves nothing else.
+/// The peer address serves only what this node advertises.
 fn exposed(state: &PeerApiState, path: &ApiPath, ns: Option<&str>) -> bool {
     let exposed = state.exposed.borrow();
     match path {

@@ -1,7 +1,5 @@
-//! The last pulls this node's containerd made through the mirror, with where each answer came
-//! from: what `ferry status` and `/status` show. Written by the mirror as it answers (the same
-//! place it counts `ferry_served_total`), read by the ops listener; a bounded ring, so it costs
-//! the same on a node that pulled ten images as on one that pulled ten thousand.
+//! The last pulls this node's containerd made through the mirror and where each answer came
+//! from, for `ferry status`. Invariant: a bounded ring, whatever a node pulled.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -9,10 +7,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-/// How many pulls are kept.
 pub(crate) const KEPT: usize = 32;
 
-/// One answer of the mirror.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pull {
     /// Seconds since the Unix epoch.
@@ -21,10 +17,9 @@ pub struct Pull {
     pub kind: String,
     /// `<registry>/<repository>@<digest>` or `...:<tag>`.
     pub what: String,
-    /// `local`, `peer`, `inflight` (a download in progress, here or on the leader) or `miss`
-    /// (a 404: containerd went to the next host, usually the registry).
+    /// A `Source` label.
     pub source: String,
-    /// The body's length when known (a HEAD, a miss: none).
+    /// None for a HEAD or a miss.
     pub bytes: Option<u64>,
 }
 

@@ -1,7 +1,6 @@
-//! What both addresses do around their own policy, in axum's terms: the [`counted`] middleware
-//! parses the path once, then counts and logs every answer; the [`Pull`] extractor turns the
-//! request into what a policy reads (method, path, `?ns=`). A request goes down through these
-//! and comes back up; the policy never calls back into them.
+//! Around both addresses' policies, in axum's terms: the [`counted`] middleware parses the
+//! path once and counts and logs every answer; the [`Pull`] extractor gives a policy what it
+//! reads. Invariant: a policy never calls back into them.
 
 use std::sync::Arc;
 
@@ -21,21 +20,18 @@ use crate::metrics::{KindLabels, Metrics, RequestLabels, SourceLabels};
 use crate::oci::registry::{Registries, registry_host};
 use crate::oci::{self, ApiPath, PathError, path};
 
-/// One parsed pull request, as both routers' policies see it.
 #[derive(Debug)]
 pub(super) struct Pull {
     pub path: ApiPath,
     pub head: bool,
-    /// The upstream registry containerd is pulling from (`?ns=`), already checked against
-    /// the mirrored registries.
+    /// The upstream registry (`?ns=`), already checked against the mirrored registries.
     pub ns: Option<String>,
     pub headers: HeaderMap,
-    /// The connection itself, for a blob the asker takes with `sendfile` (`zero_copy.rs`).
+    /// The connection, for a blob sent with `sendfile` (`zero_copy.rs`).
     pub upgrade: Option<OnUpgrade>,
 }
 
 impl Pull {
-    /// The `/v2/` answer: both addresses speak the registry API.
     pub(super) fn base() -> Response {
         (
             StatusCode::OK,
@@ -49,11 +45,10 @@ impl Pull {
     }
 }
 
-/// The path as [`counted`] parsed it, handed to the extractor so it is parsed once.
+/// The path as [`counted`] parsed it, so it is parsed once.
 #[derive(Debug, Clone)]
 struct Parsed(Result<ApiPath, PathError>);
 
-/// A router's state that knows which registries its address mirrors.
 pub(super) trait Mirrored {
     fn registries(&self) -> &Registries;
 }
@@ -91,12 +86,10 @@ where
     }
 }
 
-/// Which address a request came in on, as the metrics' `listener` label says it.
+/// The metrics' `listener` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Listener {
-    /// This node's containerd asks.
     Mirror,
-    /// Another node asks.
     Peer,
 }
 
@@ -109,15 +102,13 @@ impl Listener {
     }
 }
 
-/// What [`counted`] needs.
 #[derive(Debug, Clone)]
 pub(super) struct Counting {
     pub listener: Listener,
     pub metrics: Arc<Metrics>,
 }
 
-/// `response`, with `guard` kept alive until its body has been sent (a transfer, a follower
-/// being served: what must last as long as the stream, not the handler).
+/// `response`, with `guard` kept alive until its body has been sent, not just the handler.
 pub(super) fn holding<T: Send + 'static>(response: Response, guard: T) -> Response {
     let (parts, body) = response.into_parts();
     let body = body.into_data_stream().map(move |chunk| {
@@ -127,8 +118,7 @@ pub(super) fn holding<T: Send + 'static>(response: Response, guard: T) -> Respon
     Response::from_parts(parts, axum::body::Body::from_stream(body))
 }
 
-/// A policy's answer as a response: marked [`Source::Local`] when the policy set no source
-/// (the store answered), [`Source::Miss`] when nobody had it.
+/// A policy's answer; with no source set, the store answered ([`Source::Local`]).
 pub(super) fn answered(result: Result<Response, ApiError>) -> Response {
     match result {
         Ok(mut response) => {
@@ -137,7 +127,7 @@ pub(super) fn answered(result: Result<Response, ApiError>) -> Response {
             }
             response
         }
-        // Nobody had it (this node, its peers, a leader): what `source="miss"` counts.
+        // Nobody had it (this node, its peers, a leader).
         Err(e @ (ApiError::ManifestUnknown | ApiError::BlobUnknown)) => {
             sourced(e.into_response(), Source::Miss)
         }
@@ -145,14 +135,12 @@ pub(super) fn answered(result: Result<Response, ApiError>) -> Response {
     }
 }
 
-/// `response`, marked as coming from `source`, for [`counted`], the one place that counts
-/// answers and their bytes.
+/// `response`, marked with its `source` for [`counted`].
 pub(super) fn sourced(mut response: Response, source: Source) -> Response {
     response.extensions_mut().insert(source);
     response
 }
 
-/// Middleware: parses the path once, and counts and logs what the address answered.
 pub(super) async fn counted(
     State(counting): State<Counting>,
     mut request: Request,
@@ -185,8 +173,7 @@ pub(super) async fn counted(
         .get_or_create(&RequestLabels {
             listener,
             kind,
-            // A fixed set: any other token is a valid HTTP method, and a label per spelling
-            // would grow without bound.
+            // A fixed set: a label per spelling of a method would grow without bound.
             method: match method {
                 Method::GET => "GET",
                 Method::HEAD => "HEAD",
@@ -215,8 +202,7 @@ pub(super) async fn counted(
     response
 }
 
-/// Counts an answer (`ferry_served_total`) and, as its body is sent, its bytes
-/// (`ferry_served_bytes_total`): bytes that reached the client, not bytes promised.
+/// Counts an answer, and the bytes of it that reached the client.
 fn count_served(
     metrics: &Metrics,
     listener: &'static str,
@@ -245,7 +231,6 @@ fn count_served(
     Response::from_parts(parts, axum::body::Body::new(counted))
 }
 
-/// The upstream registry containerd is pulling from, from `?ns=`.
 fn registry_param(uri: &Uri) -> Result<Option<String>, ApiError> {
     let Some(query) = uri.query() else {
         return Ok(None);

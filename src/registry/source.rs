@@ -1,24 +1,21 @@
 //! Where an answer came from. Invariant: every answer to a manifest or blob by digest has
-//! exactly one of these, set by the policy that chose it and counted in one place
-//! (`request::handle`).
+//! exactly one, set by the policy that chose it and counted in `request::counted` alone.
 
-/// The source of one answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
-    /// This node's content store.
     Local,
     /// A complete copy on another node.
     Peer,
-    /// A download in progress: this node's own, or a leader's on another node.
+    /// A download in progress: this node's own, a leader's or a relay's.
     InFlight,
-    /// Nobody had it: a 404, and containerd goes to the next host (usually the registry).
+    /// A 404: containerd goes to the next host (usually the registry).
     Miss,
 }
 
 impl Source {
     pub const ALL: [Source; 4] = [Source::Local, Source::Peer, Source::InFlight, Source::Miss];
 
-    /// Its name in metrics' `source` label and in `ferry status`.
+    /// Its `source` label in metrics and `ferry status`.
     pub fn label(self) -> &'static str {
         match self {
             Source::Local => "local",

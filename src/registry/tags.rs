@@ -1,8 +1,6 @@
-//! When the mirror resolves a tag through peers. A pull by tag must get what the registry
-//! would give whenever the registry answers; peers only stand in when it does not, which is
-//! when a stale tag is better than a failed pod. The node's own image store never answers a
-//! tag on the mirror: containerd already has that record and asks only to hear the
-//! registry's.
+//! When the mirror resolves a tag through peers. Invariant: while the registry answers, a pull
+//! by tag gets the registry's answer; peers stand in only when it does not (a stale tag beats
+//! a failed pod).
 
 use std::str::FromStr;
 
@@ -11,13 +9,12 @@ use super::upstream::Verdict;
 /// `--resolve-tags`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ResolveTags {
-    /// Tags always go upstream (a 404 at once); only digests come from peers.
+    /// Tags always go upstream; only digests come from peers.
     Never,
     /// Upstream while the registry answers; through peers while it does not.
     #[default]
     WhenUpstreamFails,
-    /// Through peers first, upstream when no peer has the tag: for air-gapped clusters that
-    /// accept that a moved tag reaches them late.
+    /// Peers first, upstream when none has the tag: for air-gapped clusters.
     Always,
 }
 
@@ -34,7 +31,6 @@ impl FromStr for ResolveTags {
     }
 }
 
-/// What the mirror does with one tag request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TagRoute {
     /// 404 at once: containerd asks the next host, and so the registry.
@@ -44,8 +40,7 @@ pub enum TagRoute {
 }
 
 impl ResolveTags {
-    /// `verdict` is only consulted for `WhenUpstreamFails`: an unprobed registry counts as
-    /// answering, so a healthy pull never waits.
+    /// `verdict` is consulted only for `WhenUpstreamFails`.
     pub fn route(self, verdict: impl FnOnce() -> Verdict) -> TagRoute {
         match self {
             ResolveTags::Never => TagRoute::Upstream,

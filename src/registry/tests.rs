@@ -45,11 +45,10 @@ fn fixture() -> Fixture {
     }
 }
 
-/// Which address a request is sent to.
 #[derive(Clone, Copy, PartialEq)]
 enum Address {
     Mirror,
-    /// The peer address, advertising everything in the fixture.
+    /// Advertising everything in the fixture.
     Peer,
 }
 
@@ -131,8 +130,7 @@ fn code(body: &[u8]) -> String {
 #[tokio::test]
 async fn the_mirror_never_answers_a_tag_from_the_nodes_own_store() {
     let f = fixture();
-    // The node has docker.io/library/app:1.0, yet the mirror says 404 at once: containerd
-    // asks because it wants the registry's answer, not the record it already holds.
+    // The node has app:1.0, yet the mirror says 404: containerd wants the registry's answer.
     for method in ["HEAD", "GET"] {
         let (status, _, _) = call(
             &f,
@@ -179,7 +177,7 @@ async fn the_peer_address_resolves_tags_with_the_registry_from_ns() {
     );
     assert!(f.manifest.matches(&body));
 
-    // Without ns the tag is ambiguous across registries; with another registry it is unknown.
+    // Without ns the tag is ambiguous; with another registry it is unknown.
     for uri in [
         "/v2/library/app/manifests/1.0",
         "/v2/library/app/manifests/1.0?ns=ghcr.io",
@@ -334,8 +332,7 @@ async fn hits_misses_and_bytes_are_counted() {
 async fn each_listener_counts_its_own_answers_and_bytes() {
     let f = fixture();
     let blob = format!("/v2/library/app/blobs/{}", f.layer);
-    // Another node asks this node's peer address twice (once a HEAD), this node's containerd
-    // asks the mirror once, and once for something nobody has.
+    // A peer asks twice (once a HEAD); the mirror is asked once, and once for an absent blob.
     call_at(&f, Address::Peer, Registries::All, "GET", &blob).await;
     call_at(&f, Address::Peer, Registries::All, "HEAD", &blob).await;
     call(&f, Registries::All, "GET", &blob).await;
@@ -359,6 +356,6 @@ async fn each_listener_counts_its_own_answers_and_bytes() {
     ] {
         assert!(text.contains(line), "{line} in:\n{text}");
     }
-    // No series a listener cannot have (a peer is never answered from another peer).
+    // A peer is never answered from another peer.
     assert!(!text.contains(r#"listener="peer",kind="blob",source="peer""#));
 }

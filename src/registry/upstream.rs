@@ -1,8 +1,6 @@
-//! Is the upstream registry answering? The mirror resolves a tag through peers only when it is
-//! not (`--resolve-tags when-upstream-fails`), so this keeps tags fresh: a verdict per registry,
-//! refreshed in the background by `GET /v2/` on the hosts containerd would try after Ferry.
-//!
-//! Invariant: a pull never waits for a probe; a registry not probed yet counts as answering.
+//! Is the upstream registry answering? Tags resolve through peers only while it is not
+//! (`--resolve-tags when-upstream-fails`): a verdict per registry, refreshed in the background
+//! (`docs/design/upstream-probe.md`). Invariant: a pull never waits for a probe.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -16,24 +14,18 @@ use crate::containerd_config::dir::upstream_roots;
 use crate::metrics::{Metrics, ProbeLabels, RegistryLabels};
 use crate::oci::registry::Registries;
 
-/// A registry in use is probed this often: an outage is noticed within this, and a node sends
-/// each registry at most 6 probes a minute.
+/// At most 6 probes a minute per registry in use.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(10);
-/// A probe gets no answer within this: the registry is not answering (containerd's own dial
-/// timeout is 30 s; a registry this slow to say `/v2/` fails pulls anyway).
+/// No answer within this: not answering (containerd dials for 30 s; this slow fails pulls).
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
-/// At most this many registries are probed at once: `ns` comes from the request, and any
-/// local process can reach the mirror. Beyond it, a registry counts as answering.
+/// `ns` comes from any local process: beyond this many, a registry counts as answering.
 const MAX_WATCHED: usize = 256;
-/// A registry with no request on the mirror for this long is no longer probed (named
-/// registries excepted: they are probed for as long as Ferry runs).
+/// Named registries excepted, one idle this long is no longer probed.
 const IDLE_AFTER: Duration = Duration::from_secs(300);
 
-/// What the last probe of a registry found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
-    /// Not probed yet (first use since start or since it went idle): treated as answering,
-    /// so a pull never waits for a probe.
+    /// Not probed yet: treated as answering.
     Unknown,
     Answering,
     NotAnswering(Failure),
@@ -61,14 +53,13 @@ impl Failure {
     }
 }
 
-/// Settings, as values (built in `app.rs`).
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
-    /// containerd's hosts dir: where the hosts tried after Ferry are listed.
+    /// containerd's hosts dir, listing the hosts tried after Ferry.
     pub hosts_dir: PathBuf,
     /// Ferry's own entry there, skipped.
     pub mirror_url: String,
-    /// Registries probed from the start (`--registries`), before their first pull.
+    /// Probed from the start (`--registries`), before their first pull.
     pub watched: Vec<String>,
     pub interval: Duration,
     pub timeout: Duration,
@@ -78,8 +69,7 @@ pub struct UpstreamConfig {
 #[error("cannot build the probe's HTTP client: {0}")]
 pub struct UpstreamError(#[from] reqwest::Error);
 
-/// A cloneable handle on the verdicts. The map is the only state; each registry in use has
-/// one task that probes it and writes its verdict there.
+/// A cloneable handle on the verdicts.
 #[derive(Clone)]
 pub struct UpstreamWatch {
     inner: Arc<Inner>,
@@ -107,9 +97,7 @@ impl std::fmt::Debug for UpstreamWatch {
 }
 
 impl UpstreamWatch {
-    /// Probes the registries of `registries` (others on their first use) for
-    /// `--resolve-tags when-upstream-fails`. `None` (it cannot fail in practice): every
-    /// registry counts as answering, and tags go upstream.
+    /// For `--resolve-tags when-upstream-fails`; `None` (never in practice): all answer.
     pub fn watch(
         registries: &Registries,
         hosts_dir: PathBuf,
@@ -137,8 +125,7 @@ impl UpstreamWatch {
         }
     }
 
-    /// Starts probing the named registries; others start on their first use. Probes stop
-    /// when `token` is cancelled.
+    /// Probes stop when `token` is cancelled.
     pub fn start(
         config: UpstreamConfig,
         metrics: Arc<Metrics>,
@@ -160,8 +147,7 @@ impl UpstreamWatch {
         Ok(watch)
     }
 
-    /// The last verdict on `registry`, which is now in use. Never waits: a registry not
-    /// probed yet is `Unknown`, and its first probe starts now.
+    /// The last verdict on `registry`; a first use starts its probe.
     pub fn verdict(&self, registry: &str) -> Verdict {
         self.track(registry)
     }
@@ -196,8 +182,7 @@ impl UpstreamWatch {
     }
 }
 
-/// The probing task of one registry: probe, record, wait; ends when the registry has been
-/// idle for [`IDLE_AFTER`] (unless `keep`) or on shutdown.
+/// Probes one registry until it is idle (unless `keep`) or Ferry shuts down.
 async fn watch(inner: Arc<Inner>, registry: String, keep: bool) {
     let labels = RegistryLabels {
         registry: registry.clone(),
@@ -268,8 +253,8 @@ async fn watch(inner: Arc<Inner>, registry: String, keep: bool) {
     }
 }
 
-/// The probe's client: proxies from the environment (as containerd's), no certificate checks
-/// (see the module docs), no redirects followed (any answer is an answer).
+/// Proxies from the environment (as containerd's), no redirects, and no certificate checks:
+/// the probe sends nothing and reads only whether a server answered.
 fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .timeout(timeout)
@@ -284,8 +269,7 @@ fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
         .build()
 }
 
-/// `GET <root>/` on each API root in turn: the first that answers decides; if none does, the
-/// first failure is the reason.
+/// The first root that answers decides; if none does, the first failure is the reason.
 pub(crate) async fn probe(client: &reqwest::Client, roots: &[String]) -> Verdict {
     let mut first_failure = None;
     for root in roots {
@@ -302,7 +286,6 @@ pub(crate) async fn probe(client: &reqwest::Client, roots: &[String]) -> Verdict
     Verdict::NotAnswering(first_failure.unwrap_or(Failure::Error))
 }
 
-/// Whether a connect error was a refused connection (as opposed to unreachable, DNS, TLS).
 fn refused(e: &reqwest::Error) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = source {
@@ -320,7 +303,6 @@ mod tests {
     use axum::Router;
     use axum::routing::get;
 
-    /// A registry's `/v2/` answering with `status`, on a loopback port.
     async fn registry(status: StatusCode) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -331,7 +313,7 @@ mod tests {
         format!("http://{addr}/v2")
     }
 
-    /// A loopback port with nothing listening (bound, then closed).
+    /// A loopback port with nothing listening.
     async fn closed_port() -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -373,7 +355,6 @@ mod tests {
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
-        // Accepts and holds the connection, never writes.
         tokio::spawn(async move {
             let mut held = Vec::new();
             while let Ok((s, _)) = listener.accept().await {
@@ -425,7 +406,7 @@ mod tests {
             token.clone(),
         )
         .expect("watch");
-        // First use: not probed yet, so treated as answering; nothing waits for the probe.
+        // First use: treated as answering while its probe runs.
         assert_eq!(watch.verdict(&registry), Verdict::Unknown);
         let settle = |want: Verdict| {
             let watch = watch.clone();
@@ -440,7 +421,7 @@ mod tests {
                 panic!("verdict never became {want:?}");
             }
         };
-        // Nothing on that port (a localhost registry defaults to plain HTTP).
+        // Nothing listens there (a localhost registry is plain HTTP).
         settle(Verdict::NotAnswering(Failure::Refused)).await;
         assert!(
             metrics
@@ -449,7 +430,6 @@ mod tests {
             "{}",
             metrics.encode()
         );
-        // The registry comes back on the same port.
         let listener = tokio::net::TcpListener::bind(addr).await.expect("rebind");
         let app = Router::new().route("/v2/", get(|| async { StatusCode::UNAUTHORIZED }));
         tokio::spawn(async move { axum::serve(listener, app).await });

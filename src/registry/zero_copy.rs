@@ -1,9 +1,7 @@
-//! Zero-copy sending of stored blobs on the peer address: the asking Ferry offers an upgrade
-//! (`Upgrade: ferry-blob/1`), this node answers `101` with the headers of the answer it would
-//! have sent, then the bytes straight from the page cache with `sendfile(2)`.
-//!
-//! Invariant: anything else (a HEAD, a small blob, an asker that did not offer) is plain HTTP,
-//! so an older Ferry on either side sees no difference.
+//! Zero-copy sending of stored blobs on the peer address: the asker offers an upgrade, this
+//! node answers `101` with the headers it would have sent, then `sendfile(2)`s the bytes
+//! (`docs/design/zero-copy.md`). Invariant: anything else is plain HTTP, so an older Ferry on
+//! either side sees no difference.
 
 use std::fs::File;
 use std::io;
@@ -23,16 +21,12 @@ use crate::net::limits::LimitedStream;
 
 use crate::wire::{ZERO_COPY_LENGTH_HEADER, ZERO_COPY_PROTOCOL, ZERO_COPY_STATUS_HEADER};
 
-/// Below this a copy through user space costs less than the new connection an upgrade takes
-/// (an upgraded connection is not reused).
+/// Below this a copy costs less than the new connection an upgrade takes (it is not reused).
 pub const MIN_BYTES: u64 = 1 << 20;
-/// How long a reader may take nothing before its connection is closed (hyper's own path has
-/// no such bound; a Ferry that gave up closes its end, which ends the send at once anyway).
+/// A reader that takes nothing this long is cut off (hyper's own path has no such bound).
 pub const SEND_IDLE: Duration = Duration::from_secs(60);
-/// Bytes per `sendfile` call at most; a non-blocking socket takes what its buffer has room for.
 const CALL_BYTES: usize = 4 << 20;
 
-/// Did the asker offer the upgrade?
 pub fn offered(headers: &HeaderMap) -> bool {
     headers
         .get(header::UPGRADE)
@@ -40,7 +34,7 @@ pub fn offered(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.eq_ignore_ascii_case(ZERO_COPY_PROTOCOL))
 }
 
-/// Asks a peer for the upgrade (on a blob GET).
+/// Asks a peer for the upgrade.
 pub fn offer(headers: &mut HeaderMap) {
     headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     headers.insert(
@@ -49,20 +43,17 @@ pub fn offer(headers: &mut HeaderMap) {
     );
 }
 
-/// What the sender needs: the open file, where to start and how much, and where to count it.
 #[derive(Debug)]
 pub struct FileSend {
     pub file: File,
     pub offset: u64,
     pub len: u64,
     pub idle: Duration,
-    /// Each counts every byte sent: the served bytes of the peer address, and the zero-copy
-    /// ones.
+    /// Each counts every byte sent.
     pub counters: [Counter; 2],
 }
 
-/// Turns the answer of `status` (200 or 206) with the headers of `answer` into the 101 that
-/// carries it, and sends the bytes once hyper hands over the connection.
+/// The 101 carrying the answer `status` with `answer`'s headers.
 pub fn switch(
     status: StatusCode,
     answer: axum::http::response::Builder,
@@ -108,9 +99,8 @@ pub fn switch(
     out.body(Body::empty())
 }
 
-/// `send.len` bytes of `send.file` from `send.offset` onto `socket`, each call within the
-/// idle timeout. A page-cache miss makes `sendfile` wait for the disk on this thread; the
-/// kernel's readahead (asked for sequential access) keeps that rare for a whole blob.
+/// `send.len` bytes of `send.file` from `send.offset`, each call within the idle timeout.
+/// Sequential readahead keeps a page-cache miss (a disk wait on this thread) rare.
 async fn send_file(socket: &TcpStream, send: &FileSend) -> io::Result<()> {
     let _ = rustix::fs::fadvise(
         send.file.as_fd(),

@@ -45,7 +45,6 @@ impl Bootstrap for DnsBootstrap {
     }
 }
 
-/// All sources together.
 #[derive(Default)]
 pub struct Bootstraps(pub Vec<Box<dyn Bootstrap>>);
 

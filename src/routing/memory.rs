@@ -20,7 +20,7 @@ pub struct MemoryNetwork {
 struct PeerKey(String, std::net::SocketAddr);
 
 impl MemoryNetwork {
-    /// The provider map; a panicked holder leaves it usable (every change is one insert or remove).
+    /// A panicked holder leaves it usable: every change is one insert or remove.
     fn providers(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, BTreeSet<PeerKey>>> {
         self.providers.lock().unwrap_or_else(|e| e.into_inner())
     }

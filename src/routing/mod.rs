@@ -1,8 +1,8 @@
-//! Who has a key: the narrow [`ContentRouting`] trait, its libp2p implementation, an in-memory one for
-//! tests, bootstrap sources, and the sync that advertises what the store holds.
+//! Who has a key: the narrow [`ContentRouting`] trait, its libp2p and in-memory
+//! implementations, bootstrap sources, and the sync that advertises what the store holds.
+//! Keys share one key space: `sha256:<hex>` for content, `<registry>/<repo>:<tag>` for tags.
 //!
-//! Keys are strings in one key space for all registries: a digest (`sha256:<hex>`) for content,
-//! `<registry>/<repo>:<tag>` for tag resolution. The registry never sees libp2p types.
+//! Invariant: the registry never sees libp2p types.
 
 pub mod bootstrap;
 #[cfg(any(test, feature = "test-support"))]
@@ -25,8 +25,7 @@ pub struct Peer {
     pub addr: SocketAddr,
 }
 
-/// Providers as they are found. The stream ends when the lookup is over (found all, none,
-/// timed out or failed): it can never hang.
+/// Providers as they are found; ends when the lookup is over, so it never hangs.
 pub type PeerStream = mpsc::Receiver<Peer>;
 
 #[derive(Debug, thiserror::Error)]
@@ -45,10 +44,9 @@ pub trait ContentRouting: Send + Sync + 'static {
     /// This node, as other nodes reach it.
     fn local(&self) -> Peer;
 
-    /// The other nodes this one is connected to now, with their peer addresses.
+    /// The other nodes this one is connected to now.
     fn members(&self) -> Arc<Vec<Peer>>;
 
-    /// Since when `id` (a member) has been connected, where the router knows it.
     fn connected_since(&self, _id: &str) -> Option<std::time::SystemTime> {
         None
     }
@@ -56,9 +54,8 @@ pub trait ContentRouting: Send + Sync + 'static {
     /// Providers of `key`, this node excluded.
     async fn lookup(&self, key: &str) -> PeerStream;
 
-    /// The node that coordinates `key` (see `coalesce`), this node included: the same node
-    /// for every node that asks, as far as the router can make it so. `None`: the router has
-    /// no way to tell (or could not in time), and the caller picks among [`ContentRouting::members`].
+    /// The node that coordinates `key`, this node included: the same for every node that asks,
+    /// as far as the router can tell. `None`: the caller picks among the members.
     async fn coordinator(&self, _key: &str) -> Option<Peer> {
         None
     }
@@ -70,12 +67,11 @@ pub trait ContentRouting: Send + Sync + 'static {
     async fn withdraw(&self, keys: Vec<String>) -> Result<(), RoutingError>;
 }
 
-/// The key for content with this digest.
 pub fn digest_key(digest: &Digest) -> String {
     digest.to_string()
 }
 
-/// The key for a tag: `<registry>/<repo>:<tag>`, as containerd names images.
+/// The key for a tag, as containerd names images.
 pub fn tag_key(registry: &str, repository: &str, tag: &str) -> String {
     format!("{registry}/{repository}:{tag}")
 }

@@ -1,7 +1,5 @@
-//! One conformance check that every [`ContentStore`] must pass: the memory store in unit tests,
-//! the containerd store in the integration tests against a real containerd.
-//!
-//! It panics with a message naming the broken promise, so call it from a test.
+//! The conformance check every [`ContentStore`] must pass: the memory store in unit tests,
+//! the containerd store against a real containerd. It panics naming the broken promise.
 
 use bytes::Bytes;
 use futures::TryStreamExt;
@@ -24,7 +22,6 @@ pub struct Fixture {
     pub blobs: Vec<(Digest, Bytes)>,
 }
 
-/// Runs every check against `store`.
 pub async fn check(store: &dyn ContentStore, fixture: &Fixture) {
     assert!(store.healthy().await, "a running store reports healthy");
 
@@ -120,25 +117,21 @@ pub async fn check(store: &dyn ContentStore, fixture: &Fixture) {
 
 /// Drives downloads into the store under test, as its containerd's pulls would.
 pub trait DownloadDriver {
-    /// Starts a download of `total` bytes of `digest`, in the store's own containerd
-    /// namespace or in another one.
+    /// Starts a download of `total` bytes of `digest`, in the store's own namespace or another.
     fn start(&self, digest: &Digest, total: u64, own_namespace: bool) -> Box<dyn DownloadWriter>;
 }
 
-/// One download being written.
 pub trait DownloadWriter: Send {
     fn append(&mut self, bytes: &[u8]);
-    /// Writes the rest is done: the download is committed under its digest.
+    /// Writing is done: the download is committed under its digest.
     fn commit(&mut self);
     /// Drops the download without committing it; `false` when the driver cannot.
     fn abort(&mut self) -> bool;
 }
 
-/// How long a check waits for something a driver did to show (a real containerd takes a
-/// moment to write what its client sent).
+/// How long a check waits for a driver's action to show (a real containerd takes a moment).
 const SETTLE: Duration = Duration::from_secs(10);
 
-/// Every download check against `store`, with downloads made by `driver`.
 pub async fn check_downloads(store: &dyn ContentStore, driver: &dyn DownloadDriver) {
     let absent = Digest::sha256_of(b"ferry conformance: nobody downloads this");
     assert!(store.downloads(&absent, Scope::Namespace).await.is_empty());
@@ -239,7 +232,6 @@ pub async fn check_downloads(store: &dyn ContentStore, driver: &dyn DownloadDriv
     }
 }
 
-/// `n` bytes that differ with `seed`.
 fn pattern(n: usize, seed: usize) -> Vec<u8> {
     (0..n).map(|i| ((i * 7 + seed * 13) % 251) as u8).collect()
 }

@@ -1,9 +1,8 @@
-//! Downloads in progress, read while they land: what lets a second request of this node, or a
-//! follower on another node, share one download instead of starting its own.
+//! Downloads in progress, read while they land, so a second request of this node or a
+//! follower on another node shares one download. The waits here are written once against
+//! [`ContentStore`], so they hold for containerd and the memory store alike.
 //!
-//! A store opens a [`Download`]; the waits here (`wait_for`, `growing`, `alive`) are written
-//! once against the [`ContentStore`] methods, so they hold for containerd and the memory store
-//! alike. Invariant: nothing above `store/` knows where a download's bytes are kept.
+//! Invariant: nothing above `store/` knows where a download's bytes are kept.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -15,11 +14,9 @@ use tokio::time::Instant;
 use super::{ByteStream, ContentStore};
 use crate::oci::Digest;
 
-/// How often a wait looks again. Bytes arrive from the upstream in bursts; 10 ms keeps a
-/// follower within a few bursts of the leader.
+/// How often a wait looks again: keeps a follower within a few upstream bursts of the leader.
 pub(crate) const POLL: Duration = Duration::from_millis(10);
 
-/// A download in progress, as a store opened it.
 #[async_trait::async_trait]
 pub trait Download: Send + Sync + Debug {
     /// The size the blob will have: where every reader stops.
@@ -28,38 +25,33 @@ pub trait Download: Send + Sync + Debug {
     /// How many bytes have landed; `None` once the download is gone (committed or aborted).
     async fn landed(&self) -> Option<u64>;
 
-    /// Whether bytes landed within `live` (a download that has just started, or is receiving).
     async fn written_within(&self, live: Duration) -> bool;
 
-    /// The blob from byte `offset` to the end, as it lands. The stream ends in an error, never
-    /// short, when the download is aborted, truncated (restarted) or lands nothing for `idle`.
+    /// The blob from `offset` as it lands. Ends in an error, never short, when the download is
+    /// aborted, truncated (restarted) or lands nothing for `idle`.
     async fn read_from(&self, offset: u64, idle: Duration) -> std::io::Result<ByteStream>;
 }
 
-/// A download, shared by the waits and readers that follow it.
 pub(crate) type InFlight = Arc<dyn Download>;
 
-/// Which downloads of a digest a caller may read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
-    /// This store's containerd namespace: what a leader's own containerd is fetching.
+    /// This store's namespace: what a leader's own containerd is fetching.
     Namespace,
-    /// Any namespace, written within this long (older ones are left by failed downloads).
+    /// Any namespace, written within this long (older ones were left by failed downloads).
     AnyFresh(Duration),
 }
 
-/// What a wait for a download found.
 #[derive(Debug, Clone)]
 pub enum Landing {
     InFlight(InFlight),
-    /// Committed meanwhile, in some namespace ([`ContentStore::landed`]).
+    /// Committed meanwhile, in some namespace.
     Committed,
     Nothing,
 }
 
 /// Waits up to `wait` for a download of `digest` in the store's namespace to appear (a
-/// leader's containerd starts it a moment after its Ferry said 404), or for the blob to be
-/// committed (a small blob may come and go between two looks).
+/// leader's containerd starts it just after the 404), or for the blob to be committed.
 pub(crate) async fn wait_for(store: &dyn ContentStore, digest: &Digest, wait: Duration) -> Landing {
     let deadline = Instant::now() + wait;
     loop {
@@ -81,10 +73,9 @@ pub(crate) async fn wait_for(store: &dyn ContentStore, digest: &Digest, wait: Du
     }
 }
 
-/// The first of `candidates` that grows within `wait`: one that something is writing now. A
-/// download whose writer waits for the very request being answered does not grow, so it is
-/// never picked (that would be a request waiting for itself). `Committed` when one is gone
-/// and the blob has landed between two looks.
+/// The first of `candidates` that grows within `wait`. A download whose writer waits for the
+/// request being answered does not grow, so a request never waits for itself. `Committed`
+/// when one is gone and the blob has landed.
 pub(crate) async fn growing(
     store: &dyn ContentStore,
     digest: &Digest,
@@ -111,9 +102,8 @@ pub(crate) async fn growing(
     Landing::Nothing
 }
 
-/// Whether the download is alive: written within `live`, or grows past `offset` before
-/// `deadline`. A download whose containerd died, or whose upstream refused it, is left
-/// behind, still: it must not be followed. `false` too when it is gone (the caller looks).
+/// Written within `live`, or grows past `offset` before `deadline`. A download left behind
+/// by a dead containerd or a refused upstream must not be followed. `false` when it is gone.
 pub(crate) async fn alive(
     download: &dyn Download,
     offset: u64,
@@ -137,9 +127,8 @@ pub(crate) async fn alive(
     false
 }
 
-/// `stream`, the whole of the blob `digest`, checked on the way: the last chunk is only passed
-/// on once every byte matches, so a client sees a body cut short (and resumes elsewhere),
-/// never a complete body with wrong bytes.
+/// `stream`, the whole blob, checked on the way: the last chunk is passed on only once every
+/// byte matches, so a client sees a body cut short (and resumes elsewhere), never wrong bytes.
 pub(crate) fn verified(stream: ByteStream, digest: Digest, total: u64) -> ByteStream {
     let state = (stream, digest.hasher(), 0u64);
     futures::stream::unfold(Some(state), move |state| {
@@ -199,8 +188,7 @@ mod tests {
         assert!(matches!(none, Landing::Nothing));
     }
 
-    /// Two namespaces downloading one digest: the second request's own download (still,
-    /// waiting for the answer) is never picked; the one being written is.
+    /// The asker's own download (still, waiting for the answer) is never picked.
     #[tokio::test(start_paused = true)]
     async fn shares_the_download_that_grows_never_the_askers_own() {
         let store = MemoryStore::new();

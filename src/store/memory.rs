@@ -22,8 +22,7 @@ use crate::oci::{ByteRange, Digest};
 pub struct MemoryStore {
     inner: Arc<RwLock<Inner>>,
     changes: broadcast::Sender<Change>,
-    /// Also keep each blob as a file here, as containerd's content directory does (for tests
-    /// of what is sent from files: `ContentStore::blob_file`).
+    /// Also keep each blob as a file here, as containerd's content directory does.
     files: Option<PathBuf>,
 }
 
@@ -43,15 +42,13 @@ const CHANGE_BUFFER: usize = 16;
 #[derive(Debug, Default)]
 struct Inner {
     blobs: HashMap<Digest, Bytes>,
-    /// `<registry>/<repo>:<tag>` -> target descriptor.
     images: HashMap<String, Descriptor>,
-    /// Downloads in progress, in this store's namespace or another.
     downloads: Vec<Arc<MemoryDownload>>,
-    /// Blobs committed by downloads in another namespace: landed, not in this store.
+    /// Blobs committed by downloads in another namespace: landed, not listed here.
     landed_elsewhere: HashMap<Digest, Bytes>,
 }
 
-/// Bytes served per chunk, small so that tests exercise multi-chunk streams.
+/// Small, so that tests exercise multi-chunk streams.
 const CHUNK_BYTES: usize = 16 * 1024;
 
 impl MemoryStore {
@@ -59,7 +56,6 @@ impl MemoryStore {
         Self::default()
     }
 
-    /// A store that also writes every blob to a file named by its hex digest under `dir`.
     pub fn with_files(dir: &Path) -> Self {
         Self {
             files: Some(dir.to_path_buf()),
@@ -67,7 +63,6 @@ impl MemoryStore {
         }
     }
 
-    /// Stores `data` and returns its digest.
     pub fn put(&self, data: impl Into<Bytes>) -> Digest {
         let data = data.into();
         let digest = Digest::sha256_of(&data);
@@ -79,8 +74,7 @@ impl MemoryStore {
         let _ = self.changes.send(change);
     }
 
-    /// Stores `data` under a digest it may not match: for tests of what happens when a store
-    /// holds corrupt content.
+    /// Stores `data` under a digest it may not match, for tests of corrupt content.
     pub fn put_as(&self, digest: &Digest, data: impl Into<Bytes>) {
         let data = data.into();
         if let Some(dir) = &self.files {
@@ -109,7 +103,7 @@ impl MemoryStore {
         self.notify(Change::Image(format!("{registry}/{repo}:{tag}")));
     }
 
-    /// Deletes an image name (its content stays, as in containerd until garbage collection).
+    /// Deletes an image name (its content stays, as in containerd until GC).
     pub fn untag(&self, registry: &str, repo: &str, tag: &str) {
         self.write()
             .images
@@ -122,13 +116,12 @@ impl MemoryStore {
         self.notify(Change::ContentDeleted(digest.clone()));
     }
 
-    /// Starts a download of `digest` in this store's namespace, as a pull would.
     pub fn start_download(&self, digest: &Digest, total: u64) -> DownloadWriter {
         self.begin(digest, total, true)
     }
 
-    /// Starts a download of `digest` in another containerd namespace: its bytes land where
-    /// this store can read them, but the store does not list the blob.
+    /// Starts a download in another namespace: its bytes land where this store can read them,
+    /// but the store does not list the blob.
     pub fn start_download_elsewhere(&self, digest: &Digest, total: u64) -> DownloadWriter {
         self.begin(digest, total, false)
     }
@@ -177,7 +170,6 @@ fn write(inner: &RwLock<Inner>) -> std::sync::RwLockWriteGuard<'_, Inner> {
     inner.write().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `blob` from `offset`, in chunks.
 fn chunked(blob: Bytes) -> ByteStream {
     let chunks: Vec<std::io::Result<Bytes>> = (0..blob.len())
         .step_by(CHUNK_BYTES)
@@ -221,7 +213,7 @@ impl DownloadWriter {
         progress.written_at = Instant::now();
     }
 
-    /// Lands the download under its digest (whatever its bytes are, as a test may want).
+    /// Lands the download under its digest, whatever its bytes are.
     pub fn commit(&self) {
         let data = {
             let mut progress = lock(&self.download.progress);

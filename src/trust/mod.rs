@@ -1,5 +1,5 @@
-//! Who may talk to Ferry: the cluster secret, the private-network key derived from it, and
-//! the short-lived request tokens peers sign with it.
+//! Who may talk to Ferry: the cluster secret, the private-network key and the request tokens
+//! derived from it.
 
 pub(crate) mod secret;
 pub mod token;

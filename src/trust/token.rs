@@ -8,8 +8,7 @@ use sha2::Sha256;
 
 use super::ClusterSecret;
 
-/// How far a token's time may be from the receiver's clock, either way. Long enough for
-/// clock skew between nodes, short enough that a replay is useless for long.
+/// How far a token's time may be from the receiver's clock, either way: clock skew, not replay.
 pub const TOKEN_VALIDITY: Duration = Duration::from_secs(60);
 const VERSION: &str = "v1";
 

@@ -1,10 +1,8 @@
-//! A blob body fed by peers: streams the first provider's bytes through and, if that peer
-//! fails, stalls or ends early, asks the next provider for the rest with a `Range` from the
-//! byte offset already sent. A whole blob is hashed on the way, and its last chunk is only
-//! sent once the digest matches: otherwise containerd sees a body cut short (a reset
-//! connection), never a complete body with wrong bytes in that response. containerd may then
-//! resume the cut transfer from the next host with a Range; its partial download is dropped
-//! (`Resume::discard_partial`) so that it does not build on the bad bytes.
+//! A blob body fed by peers: streams the first provider's bytes and, if it fails, stalls or
+//! ends early, resumes on the next one with a `Range` from the byte already sent.
+//!
+//! Invariant: a whole blob's last chunk is sent only once its digest matches, so containerd
+//! sees a cut body, never a complete wrong one.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -27,24 +25,21 @@ use crate::oci::{self, Digest};
 use crate::routing::Peer;
 use crate::store::ContentStore;
 
-/// containerd retries a broken transfer itself (with a Range, on the same or the next host)
-/// and may reopen its partial download after we drop it: drop it again a little later. A
-/// timing assumption, stated as one: containerd reopens within these delays.
+/// containerd may reopen its partial download after we drop it: drop it again after these
+/// delays (a timing assumption).
 const DISCARD_PARTIAL_AFTER: [Duration; 3] = [
     Duration::ZERO,
     Duration::from_secs(1),
     Duration::from_secs(3),
 ];
 
-/// What a body needs to ask the next provider for the rest of a blob.
 #[derive(Clone)]
 pub(super) struct Resume {
     pub client: PeerClient,
     pub health: Arc<PeerHealth>,
     pub metrics: Arc<Metrics>,
-    /// This node's store, to drop what a lying peer left in containerd's partial downloads.
+    /// To drop what a lying peer left in containerd's partial downloads.
     pub store: Arc<dyn ContentStore>,
-    /// `/v2/<name>/blobs/<digest>` and the registry.
     pub path: String,
     pub ns: Option<String>,
 }
@@ -72,8 +67,7 @@ impl Resume {
         Ok(response)
     }
 
-    /// Bytes that did not match were streamed to this node's containerd: drop its partial
-    /// download of `digest`, so the next attempt starts from zero instead of on top of them.
+    /// Drops containerd's partial download of `digest`, so a retry does not build on bad bytes.
     pub(super) fn discard_partial(&self, digest: &Digest) {
         let store = self.store.clone();
         let digest = digest.clone();
@@ -95,7 +89,7 @@ impl Resume {
     }
 }
 
-/// What is being transferred: `len` bytes from `start` of a blob of `total` bytes.
+/// `len` bytes from `start` of a blob of `total` bytes.
 #[derive(Debug, Clone)]
 pub(super) struct Fetch {
     pub digest: Digest,
@@ -107,7 +101,6 @@ pub(super) struct Fetch {
 }
 
 impl Fetch {
-    /// Reads the transfer's extent from a peer's 200 or 206 response.
     pub(super) fn from_response(response: &PeerResponse, digest: Digest) -> Option<Fetch> {
         let len = response.content_length()?;
         if response.status() == StatusCode::PARTIAL_CONTENT {
@@ -133,7 +126,6 @@ impl Fetch {
 }
 
 impl Fetch {
-    /// The response headers for this transfer, whichever peers end up serving it.
     pub(super) fn response(&self, body: Body) -> Result<Response, axum::http::Error> {
         let mut out = Response::builder()
             .status(if self.partial {
@@ -229,9 +221,8 @@ impl ResumingBody {
                         if let Some(h) = self.hasher.as_mut() {
                             h.update(&chunk);
                         }
-                        // The last chunk is held back until the whole blob checks out: once every
-                        // announced byte is sent the client has a complete body, and a reset after
-                        // that would come too late.
+                        // The last chunk waits for the digest: once every announced
+                        // byte is sent, a reset comes too late.
                         if self.sent == self.fetch.len {
                             self.finish()?;
                         }
@@ -248,7 +239,6 @@ impl ResumingBody {
         }
     }
 
-    /// Moves to the next provider for the bytes not yet sent.
     async fn resume(&mut self) -> std::io::Result<()> {
         let from = self.fetch.start + self.sent;
         let to = self.fetch.start + self.fetch.len - 1;

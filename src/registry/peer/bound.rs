@@ -1,8 +1,7 @@
-//! How long a pull waits for a lookup's first provider before the miss goes upstream:
-//! `--resolve-timeout` at least, up to `--resolve-timeout-max` on a node whose own recent
-//! lookups of present keys were slower. The times are kept across restarts (`save`, `load`).
+//! How long a pull waits for a lookup's first provider before the miss goes upstream, learnt
+//! from this node's recent lookups and kept across restarts (`docs/design/lookup-wait.md`).
 //!
-//! Invariant: the wait is never below the floor nor above the ceiling.
+//! Invariant: the wait is never below `--resolve-timeout` nor above `--resolve-timeout-max`.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -12,31 +11,27 @@ use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
 
-/// Lookups remembered: the last this many first-provider times. Not aged out: a node that
-/// pulled nothing for an hour has had its idle connections closed, and its next rollout's
-/// lookups are the slow ones the old times describe.
+/// First-provider times kept; not aged out, on purpose (`docs/design/how-it-works.md`).
 const WINDOW: usize = 100;
-/// Fewer times than this say little: the floor stands.
+/// With fewer times, the floor stands.
 const MIN_SAMPLES: usize = 10;
-/// The bound covers this share of recent lookups, and never the single slowest of them (with
-/// few times, one walk past a dead node would otherwise set it)...
+/// The bound covers this share of recent lookups, never the slowest one alone...
 const PERCENTILE: f64 = 0.95;
-/// ...with this much headroom, for the next lookup to be a little slower than the last ones.
+/// ...with this much headroom.
 const HEADROOM: f64 = 1.5;
 
 #[derive(Debug)]
 pub struct ResolveBound {
     floor: Duration,
     ceiling: Duration,
-    /// One owner: the recent first-provider times, oldest first, and the bound they give.
+    /// Recent first-provider times, oldest first, and the bound they give.
     recent: Mutex<(VecDeque<Duration>, Duration)>,
-    /// Where the bound is shown (`ferry_peer_resolve_wait_seconds`), set under the lock so
-    /// that it never shows an older bound than the newest.
+    /// Where the bound is shown, set under the lock so it never shows an older bound.
     shown: Option<Gauge<f64, AtomicU64>>,
 }
 
 impl ResolveBound {
-    /// Between `floor` and `ceiling`; a ceiling below the floor is the floor (no adapting).
+    /// A ceiling below the floor is the floor (no adapting).
     pub fn new(floor: Duration, ceiling: Duration) -> Self {
         ResolveBound {
             floor,
@@ -46,8 +41,7 @@ impl ResolveBound {
         }
     }
 
-    /// Goes by `times` instead (oldest first; the last [`WINDOW`] count), as [`load`] reads
-    /// them from an earlier run.
+    /// Goes by `times` from an earlier run (the last [`WINDOW`] count).
     pub fn remember(&self, times: Vec<Duration>) {
         self.update(|recent| {
             let skip = times.len().saturating_sub(WINDOW);
@@ -55,26 +49,22 @@ impl ResolveBound {
         });
     }
 
-    /// The times the bound comes from, oldest first.
     pub fn times(&self) -> Vec<Duration> {
         let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         recent.0.iter().copied().collect()
     }
 
-    /// Shows the bound in `gauge`, in seconds, from now on.
     pub fn shown_in(mut self, gauge: Gauge<f64, AtomicU64>) -> Self {
         gauge.set(self.current().as_secs_f64());
         self.shown = Some(gauge);
         self
     }
 
-    /// How long a pull waits now.
     pub fn current(&self) -> Duration {
         self.recent.lock().unwrap_or_else(|e| e.into_inner()).1
     }
 
-    /// A lookup found its first provider `took` after it started (whether or not the pull was
-    /// still waiting). Returns the bound from now on.
+    /// A lookup found its first provider after `took`; returns the new bound.
     pub fn found_after(&self, took: Duration) -> Duration {
         self.update(|times| {
             if times.len() == WINDOW {
@@ -84,7 +74,7 @@ impl ResolveBound {
         })
     }
 
-    /// Changes the times, then the bound they give and where it is shown, under one lock.
+    /// Changes the times, then the bound and where it is shown, under one lock.
     fn update(&self, change: impl FnOnce(&mut VecDeque<Duration>)) -> Duration {
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         let (times, bound) = &mut *recent;
@@ -104,15 +94,14 @@ impl ResolveBound {
         sorted.sort_unstable();
         // The nearest-rank percentile: at least PERCENTILE of the times are at or below it.
         let rank = ((sorted.len() as f64 * PERCENTILE).ceil() as usize).clamp(1, sorted.len() - 1);
-        // Any time the caller gives, however long, is a bound: the ceiling.
+        // Any time, however long, gives a bound: the ceiling.
         Duration::try_from_secs_f64(sorted[rank - 1].as_secs_f64() * HEADROOM)
             .unwrap_or(self.ceiling)
             .clamp(self.floor, self.ceiling)
     }
 }
 
-/// Writes `times` to `path`, one number of microseconds a line, whole or not at all (a
-/// temporary file renamed over it).
+/// Writes `times` to `path` (microseconds a line), whole or not at all.
 pub(crate) fn save(path: &Path, times: &[Duration]) -> std::io::Result<()> {
     let text: String = times
         .iter()
@@ -126,8 +115,7 @@ pub(crate) fn save(path: &Path, times: &[Duration]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// The times [`save`] wrote to `path`: none when there is no file. A line that is not a number
-/// is skipped and said (the file is Ferry's own; a damaged one costs only what it held).
+/// The times [`save`] wrote; a line that is not a number is skipped.
 pub(crate) fn load(path: &Path) -> Vec<Duration> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
@@ -163,7 +151,7 @@ mod tests {
             bound.found_after(90 * MS);
         }
         assert_eq!(bound.current(), 20 * MS, "too few lookups to go by");
-        // A new node's first lookups, one of them past a dead node: the 9 fast ones set it.
+        // A new node's first lookups, one past a dead node: the 9 fast ones set it.
         let new = ResolveBound::new(20 * MS, 100 * MS);
         for _ in 0..(MIN_SAMPLES - 1) {
             new.found_after(2 * MS);
@@ -183,7 +171,7 @@ mod tests {
             20 * MS,
             "fast lookups never lower it below the floor"
         );
-        // Four slow lookups in the last hundred (walks past a dead node): 96% are fast.
+        // Four slow lookups in the last hundred: 96% are fast.
         for _ in 0..4 {
             bound.found_after(3 * MS);
             bound.found_after(Duration::from_secs(9));
@@ -204,7 +192,7 @@ mod tests {
             bound.found_after(80 * MS);
         }
         assert_eq!(bound.current(), 100 * MS, "never past the ceiling");
-        // Connections open again, lookups fast: a window later the floor is back.
+        // Fast lookups again: a window later the floor is back.
         for _ in 0..WINDOW {
             bound.found_after(2 * MS);
         }

@@ -1,6 +1,5 @@
-//! One way to talk to another node's peer address: the HTTP client (no proxy, bounded
-//! connect), the hop header, the signed token, the timeouts. Every request to a peer (a first
-//! request, a resume, a claim) goes through here.
+//! Every request to another node's peer address (a first request, a resume, a claim): the
+//! HTTP client, the hop header, the signed token, the timeouts.
 
 use std::time::{Duration, Instant};
 
@@ -27,18 +26,15 @@ const MAX_CLAIM_ANSWER: u64 = 4096;
 pub struct PeerClient {
     client: reqwest::Client,
     secret: Option<ClusterSecret>,
-    /// Bound from sending a request to a peer's response headers.
     pub first_byte: Duration,
-    /// Longest silence in a peer's body.
     pub idle: Duration,
-    /// Blob GETs offer the zero-copy upgrade (`registry::zero_copy`).
     zero_copy: bool,
-    /// This node's peer ID, sent with a follow request so the source can show its followers.
+    /// Sent with a follow request so the source can show its followers.
     me: String,
 }
 
-/// One request to a peer: what, where, and whether the leader may answer from a download in
-/// progress (then its wait for the download is part of the first-byte bound).
+/// One request to a peer; with `follow`, the source may answer from a download in progress
+/// and its wait adds to the first-byte bound.
 #[derive(Debug, Clone, Copy)]
 pub struct PeerCall<'a> {
     pub method: &'a Method,
@@ -72,7 +68,6 @@ impl PeerClient {
         })
     }
 
-    /// Whether blob GETs offer the zero-copy upgrade (on unless `--zero-copy false`).
     pub fn offering_zero_copy(self, zero_copy: bool) -> Self {
         PeerClient { zero_copy, ..self }
     }
@@ -106,7 +101,6 @@ impl PeerClient {
         if call.path.contains("/manifests/") {
             request = request.header(header::ACCEPT, MANIFEST_ACCEPT);
         }
-        // A stored blob may come straight from the peer's page cache (`zero_copy.rs`).
         if self.zero_copy && call.method == Method::GET && call.path.contains("/blobs/") {
             let mut offer = axum::http::HeaderMap::new();
             zero_copy::offer(&mut offer);
@@ -140,8 +134,7 @@ impl PeerClient {
         }
     }
 
-    /// Claims `digest` at `coordinator` for `claimant` (reporting `failed`, a leader that
-    /// gave nothing): `None` when it does not answer properly.
+    /// Claims `digest` for `claimant`: `None` when not answered properly.
     pub async fn claim(
         &self,
         coordinator: &Peer,
@@ -190,11 +183,11 @@ impl PeerClient {
     }
 }
 
-/// What the coordinator answers a claim with (JSON on the peer address).
+/// A claim's answer, JSON on the peer address.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct ClaimAnswer {
     pub lead: bool,
-    /// The peer to stream from (named `leader` since before relays: the leader or a relay).
+    /// The peer to stream from (the leader or a relay; named before relays existed).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub leader: Option<ClaimPeer>,
     /// The leader itself.
@@ -245,7 +238,7 @@ pub(crate) fn claim_target(digest: &Digest, claimant: &Peer, failed: Option<&str
     format!("{CLAIM_PATH}{digest}?{}", query.finish())
 }
 
-/// `<path>?ns=<registry>` as sent, and as signed.
+/// `<path>?ns=<registry>`, as sent and as signed.
 pub(crate) fn path_and_query(path: &str, ns: Option<&str>) -> String {
     match ns {
         Some(ns) => {

@@ -1,7 +1,6 @@
-//! The debug page's test pull: one digest through the peer path as a pull takes it (the DHT
-//! lookup, the signed request to each provider's peer address, the bytes checked against the
-//! digest), reported step by step instead of served. The bytes are discarded, nothing reaches
-//! containerd, and the peers' health is not touched: a test never changes what pulls do.
+//! The debug page's test pull: one digest through the peer path as a pull takes it, reported
+//! step by step. Invariant: nothing reaches containerd and peer health is untouched, so a test
+//! never changes what pulls do.
 
 use std::time::{Duration, Instant};
 
@@ -13,24 +12,21 @@ use super::{PeerCall, PeerFetcher};
 use crate::oci::Digest;
 use crate::routing::{Peer, digest_key};
 
-/// How long the test waits for providers: longer than a pull does (`--resolve-timeout`), so a
-/// slow DHT shows as slow rather than as empty.
+/// Longer than a pull waits, so a slow DHT shows as slow rather than as empty.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
-/// Providers tried, one after the other, until one serves the blob whole and correct.
 const MAX_ATTEMPTS: usize = 3;
-/// Bound on one provider's whole transfer.
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(120);
-/// Any valid repository name: a peer serves by digest, whatever the name.
+/// Any valid name: a peer serves by digest.
 const TEST_NAME: &str = "ferry-debug/test-pull";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TestPull {
     pub digest: String,
     pub lookup_ms: f64,
-    /// Every provider the DHT named, by peer ID and peer address.
+    /// Peer ID and peer address.
     pub providers: Vec<(String, String)>,
     pub attempts: Vec<Attempt>,
-    /// A provider served every byte and they matched the digest.
+    /// A provider served every byte and they matched.
     pub ok: bool,
     pub summary: String,
 }
@@ -39,14 +35,14 @@ pub struct TestPull {
 pub struct Attempt {
     pub peer: String,
     pub addr: String,
-    /// `verified`, or what went wrong (an HTTP status, a connect error, a digest mismatch).
+    /// `verified`, or what went wrong.
     pub outcome: String,
     pub bytes: u64,
     pub ms: f64,
 }
 
 impl PeerFetcher {
-    /// Pulls `digest` from the providers the DHT names now (not the lookup cache) and reports.
+    /// Pulls `digest` from the providers the DHT names now (not the cache).
     pub async fn test_pull(&self, digest: &Digest) -> TestPull {
         let started = Instant::now();
         let providers = self.lookup_all(&digest_key(digest)).await;

@@ -1,13 +1,13 @@
-//! Why a peer could not serve: one typed reason per stage, so that the metric label, the log
-//! line and the backoff come from one place instead of strings compared at a distance.
+//! Why a peer could not serve: one typed reason per stage, so the metric label, the log line
+//! and the backoff come from one place.
 
 use std::time::Duration;
 
 use axum::http::StatusCode;
 
-/// A peer that just failed (unreachable, slow, cut off) is tried last for this long.
+/// A peer that just failed is tried last for this long.
 pub(crate) const FAILED_PEER_BACKOFF: Duration = Duration::from_secs(30);
-/// A peer that served bytes not matching their digest is not asked at all for this long.
+/// A peer that served wrong bytes is not asked at all for this long.
 pub(crate) const QUARANTINE: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -26,7 +26,7 @@ pub enum PeerFailure {
     Verify(String),
 }
 
-/// Why no peer served a request, for the mirror's log: the 404 containerd gets is the same.
+/// Why no peer served, for the mirror's log: containerd gets the same 404.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PeerMiss {
     #[error("no node advertises it")]
@@ -45,7 +45,6 @@ pub enum PeerMiss {
 }
 
 impl PeerMiss {
-    /// The miss when `advertised` providers were found, `last` the last failure among them.
     pub fn after(advertised: usize, last: Option<PeerFailure>) -> PeerMiss {
         match (advertised, last) {
             (0, _) => PeerMiss::NoProvider,
@@ -67,7 +66,7 @@ impl PeerFailure {
         }
     }
 
-    /// How long the peer is passed over: a liar is quarantined, anything else goes last.
+    /// A liar is quarantined; any other failure goes last.
     pub fn backoff(&self) -> Duration {
         match self {
             PeerFailure::Verify(_) => QUARANTINE,

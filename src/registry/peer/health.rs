@@ -1,5 +1,4 @@
-//! Which peers to pass over, and for how long: one owner (this map), shared by the fetcher
-//! and the bodies it starts.
+//! Which peers to pass over, and until when: one owner, shared by the fetcher and its bodies.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,7 +11,7 @@ use crate::routing::Peer;
 #[derive(Debug)]
 pub(super) struct PeerHealth {
     metrics: Arc<Metrics>,
-    /// Until when each peer is passed over, by peer ID.
+    /// By peer ID.
     until: Mutex<HashMap<String, Instant>>,
 }
 
@@ -24,7 +23,7 @@ impl PeerHealth {
         }
     }
 
-    /// `peer` failed: counted, logged, and passed over for the failure's backoff.
+    /// Counted, logged, and passed over for the failure's backoff.
     pub(super) fn failed(&self, peer: &Peer, failure: &PeerFailure) {
         let stage = failure.stage();
         tracing::warn!(peer = %peer.id, addr = %peer.addr, stage, reason = %failure, "peer fetch failed; trying the next provider");
@@ -39,15 +38,14 @@ impl PeerHealth {
         *t = (*t).max(now + failure.backoff());
     }
 
-    /// Quarantined (it served bytes that did not match) right now: not asked at all.
+    /// Quarantined (it served bytes that did not match): not asked at all.
     pub(super) fn quarantined(&self, peer: &Peer) -> bool {
         self.lock()
             .get(&peer.id)
             .is_some_and(|until| *until > Instant::now() + FAILED_PEER_BACKOFF)
     }
 
-    /// The peers passed over now: peer ID, how long still, and whether quarantined (it served
-    /// bytes that did not match: not asked at all) rather than only tried last.
+    /// Peer ID, time left, and whether quarantined.
     pub(super) fn passed_over(&self) -> Vec<(String, Duration, bool)> {
         let now = Instant::now();
         let mut out: Vec<_> = self
@@ -63,7 +61,7 @@ impl PeerHealth {
         out
     }
 
-    /// `peers` with the ones that failed recently last.
+    /// Recently failed peers last.
     pub(super) fn order(&self, mut peers: Vec<Peer>) -> Vec<Peer> {
         let until = self.lock();
         let now = Instant::now();

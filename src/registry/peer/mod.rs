@@ -1,11 +1,8 @@
-//! Fetching from other nodes, in one room: find providers in the DHT (bounded by
-//! `--resolve-timeout`, or longer where this node's lookups are slower (`bound`), one lookup
-//! per key however many ask at once), then ask their peer
-//! addresses, one after the other, until one answers; or follow a coalescing leader's download.
-//! Blobs stream through and resume on the next provider if a peer fails mid-transfer.
+//! Fetching from other nodes: find providers in the DHT (one lookup per key, waited for as
+//! long as `bound` says), ask their peer addresses in turn or follow a coalescing leader's
+//! download; a blob cut mid-transfer resumes on the next provider.
 //!
-//! Dependencies run one way: `mod` (orchestration) → `body` (the verifying, resuming blob
-//! body) → `client` (every request to a peer) and `health` (who to pass over), all reporting
+//! Invariant: dependencies run one way, `mod` → `body` → `client` and `health`, all reporting
 //! a typed `PeerFailure`.
 
 mod body;
@@ -42,31 +39,25 @@ use health::PeerHealth;
 use response::PeerResponse;
 use response::{built, forward_headers};
 
-/// The lookup times the wait for a lookup comes from (`bound.rs`), in the data directory: a
-/// restarted node waits as it had learnt to.
+/// The data directory's file of lookup times (`bound.rs`), kept across restarts.
 pub const LOOKUP_TIMES_FILE: &str = "lookup-times";
-/// How often they are kept while running (and once more at shutdown).
+/// How often they are saved (and once more at shutdown).
 const KEEP_LEARNT_EVERY: Duration = Duration::from_secs(600);
 
 /// Providers found are reused this long: a pull asks for a handful of blobs in a burst.
 const LOOKUP_CACHE_TTL: Duration = Duration::from_secs(5);
-/// A lookup that found nobody is remembered this long: the requests of one pull for a
-/// digest no node has (a HEAD, then the GET, then containerd's retries) cost one DHT walk, not
-/// one each. Short, because a digest another node has just committed is findable as soon as
-/// it is announced: for at most this long after, it still goes to the coalescing leader or
-/// upstream (a slower pull, never a failed one).
+/// A lookup that found nobody is remembered this long, so one pull's requests for a digest
+/// nobody has (HEAD, GET, retries) cost one DHT walk. Short: a digest just announced goes
+/// to the leader or upstream for at most this long (slower, never failed).
 pub const NOT_FOUND_TTL: Duration = Duration::from_secs(1);
 /// Providers arriving this soon after the first are kept as failover candidates.
 const MORE_PROVIDERS_GRACE: Duration = Duration::from_millis(2);
-/// A walk the pull stopped waiting for is read on this long at most, to learn when its first
-/// provider came (`bound`). A walk ends by itself sooner (libp2p's query timeout, 10 s); this
-/// bounds a router that never closes its stream.
+/// How long a walk the pull stopped waiting for is read on, to teach `bound` what it cut.
 const READ_ON_LIMIT: Duration = Duration::from_secs(15);
-/// `--resolve-timeout-max`'s default: where this node's lookups of present keys are slow, a
-/// pull waits up to this long for one, so a miss costs up to this much (once per digest).
+/// `--resolve-timeout-max`'s default; a miss costs up to this once per digest.
 pub const DEFAULT_RESOLVE_TIMEOUT_MAX: Duration = Duration::from_millis(100);
 
-/// What the mirror was asked, as it is forwarded to peers.
+/// The mirror's request, as forwarded to peers.
 #[derive(Debug, Clone, Copy)]
 pub struct PeerRequest<'a> {
     pub name: &'a str,
@@ -77,25 +68,22 @@ pub struct PeerRequest<'a> {
 
 #[derive(Debug, Clone, Copy)]
 pub struct PeerFetchConfig {
-    /// How long a lookup may take before the miss goes upstream, where lookups are fast.
+    /// The lookup wait where lookups are fast (the floor).
     pub resolve_timeout: Duration,
-    /// How long at most, where this node's lookups of present keys are slower (`bound`).
+    /// The ceiling, where this node's lookups are slower (`bound`).
     pub resolve_timeout_max: Duration,
-    /// Bound on the TCP connect to a peer.
     pub connect_timeout: Duration,
-    /// Bound from sending a request to a peer's response headers.
     pub first_byte_timeout: Duration,
-    /// Longest silence in a peer's body before moving to the next provider.
+    /// Longest silence in a peer's body before the next provider.
     pub idle_timeout: Duration,
-    /// Blobs up to this size are fetched whole and verified before the first byte is served.
+    /// Blobs up to this size are verified whole before the first byte is served.
     pub verify_before_serving: u64,
-    /// Offer other nodes the zero-copy upgrade for blobs, and accept it when they offer it
-    /// (`registry::zero_copy`).
+    /// Offer and accept the zero-copy upgrade (`registry::zero_copy`).
     pub zero_copy: bool,
 }
 
 impl PeerFetchConfig {
-    /// The documented defaults (see `config/ferry.toml`), for tests and embedding.
+    /// The documented defaults (`config/ferry.toml`).
     pub fn with_resolve_timeout(resolve_timeout: Duration) -> Self {
         PeerFetchConfig {
             resolve_timeout,
@@ -116,14 +104,12 @@ pub struct PeerFetcher {
     client: PeerClient,
     config: PeerFetchConfig,
     metrics: Arc<Metrics>,
-    /// This node's store, to drop what a lying peer left in containerd's partial downloads.
+    /// To drop what a lying peer left in containerd's partial downloads.
     store: Arc<dyn ContentStore>,
-    /// One owner each: recent lookups, lookups under way (shared by concurrent requests for
-    /// the same key), and the peers to pass over.
+    /// Recent lookups, and those under way (shared by concurrent requests).
     cache: Mutex<HashMap<String, (Instant, Vec<Peer>)>>,
     lookups: Mutex<HashMap<String, SharedLookup>>,
     health: Arc<PeerHealth>,
-    /// How long a lookup is waited for, learnt from the lookups before it.
     bound: Arc<ResolveBound>,
 }
 
@@ -168,16 +154,13 @@ impl PeerFetcher {
         })
     }
 
-    /// A blob (or one range of it) from the first provider that answers. Blobs up to
-    /// `verify_before_serving` are fetched whole and checked before the first byte is sent;
-    /// larger ones stream through, hashed on the way.
+    /// A blob (or a range) from the first provider that answers; small ones checked first.
     pub async fn blob(&self, req: PeerRequest<'_>, digest: Digest) -> Result<Response, PeerMiss> {
         let providers = self.providers(&digest_key(&digest)).await;
         self.blob_from(req, digest, providers, None).await
     }
 
-    /// A blob from `leader`, whose containerd is downloading it now: its Ferry streams the
-    /// download as it lands (after waiting up to `wait` for it to start).
+    /// A blob from `leader`'s download, waiting up to `wait` for it to start.
     pub async fn blob_following(
         &self,
         req: PeerRequest<'_>,
@@ -273,8 +256,7 @@ impl PeerFetcher {
         Err(PeerMiss::after(advertised, last))
     }
 
-    /// The whole blob from `peer`, checked against its digest. `response` is used when it
-    /// already carries the whole blob; for a range, the whole blob is asked for again.
+    /// The whole blob from `peer`, checked; for a range, asked for again.
     async fn verified_whole(
         &self,
         peer: &Peer,
@@ -312,8 +294,7 @@ impl PeerFetcher {
         Ok(bytes)
     }
 
-    /// A manifest from the first provider whose bytes match the digest (asked for, or the
-    /// one the peer names for a tag). Manifests are small: verified whole before serving.
+    /// A manifest from the first provider whose bytes match the digest.
     pub async fn manifest(
         &self,
         req: PeerRequest<'_>,
@@ -328,7 +309,6 @@ impl PeerFetcher {
         self.manifest_from(req, reference, providers, None).await
     }
 
-    /// A manifest by digest from `leader`, whose containerd is downloading it now.
     pub async fn manifest_following(
         &self,
         req: PeerRequest<'_>,
@@ -426,10 +406,7 @@ impl PeerFetcher {
         Ok((media_type, digest, bytes))
     }
 
-    /// Providers of `key`: cached if recent (nobody: for [`NOT_FOUND_TTL`]), else from the
-    /// router, waiting for the first one at most as long as `bound` says. Concurrent requests
-    /// for the same key (several clients of this node's containerd, a Range re-request) share
-    /// one lookup. Peers that failed recently go last.
+    /// Providers of `key`: cached, or one lookup shared by concurrent requests; failed last.
     async fn providers(&self, key: &str) -> Vec<Peer> {
         if let Some(peers) = self.cached(key) {
             return peers;
@@ -465,15 +442,13 @@ impl PeerFetcher {
         self.health.order(found)
     }
 
-    /// Starts the wait from the lookup times kept at `path` by an earlier run
-    /// ([`PeerFetcher::keep_learnt`]).
+    /// Starts the wait from the lookup times an earlier run kept at `path`.
     pub fn remembering(self, path: &std::path::Path) -> Self {
         self.bound.remember(bound::load(path));
         self
     }
 
-    /// Keeps the lookup times every [`KEEP_LEARNT_EVERY`] and once more when `token` is
-    /// cancelled: a node that loses power loses at most that much of what it learnt.
+    /// Saves the lookup times every [`KEEP_LEARNT_EVERY`] and at cancellation.
     pub async fn keep_learnt_until(
         self: Arc<Self>,
         path: std::path::PathBuf,
@@ -488,7 +463,6 @@ impl PeerFetcher {
         self.keep_learnt(&path);
     }
 
-    /// Keeps the lookup times the wait comes from at `path`, for the next run.
     pub fn keep_learnt(&self, path: &std::path::Path) {
         let times = self.bound.times();
         if times.is_empty() {
@@ -499,7 +473,7 @@ impl PeerFetcher {
         }
     }
 
-    /// The peers passed over now (see `PeerHealth::passed_over`), for `ferry status`.
+    /// The peers passed over now, for `ferry status`.
     pub fn passed_over(&self) -> Vec<(String, Duration, bool)> {
         self.health.passed_over()
     }
@@ -511,7 +485,6 @@ impl PeerFetcher {
     }
 }
 
-/// How long a lookup's answer is reused: found providers longer than "nobody".
 fn cache_ttl(peers: &[Peer]) -> Duration {
     if peers.is_empty() {
         NOT_FOUND_TTL
@@ -520,7 +493,6 @@ fn cache_ttl(peers: &[Peer]) -> Duration {
     }
 }
 
-/// One provider lookup, shareable by concurrent requests for the same key.
 async fn lookup(
     router: Arc<dyn ContentRouting>,
     metrics: Arc<Metrics>,
@@ -530,12 +502,10 @@ async fn lookup(
     let started = Instant::now();
     let mut stream = router.lookup(&key).await;
     let mut found = Vec::new();
-    // The latency that matters is the time to the first provider: the grace wait for
-    // failover candidates below is not part of it.
+    // Time to the first provider, without the failover grace below.
     let mut took = None;
     let first = tokio::time::timeout(bound.current(), stream.recv()).await;
-    // A walk still going at the bound is told apart from one that ended with nobody: a pull
-    // sent upstream that a longer wait might have served from a peer.
+    // "timed_out", unlike "none", is a pull a longer wait might have served from a peer.
     let result = match &first {
         Ok(Some(_)) => "found",
         Ok(None) => "none",
@@ -547,7 +517,6 @@ async fn lookup(
             took = Some(elapsed);
             bound.found_after(elapsed);
             found.push(first);
-            // Others that arrive right behind the first are failover candidates.
             while let Ok(Some(more)) =
                 tokio::time::timeout(MORE_PROVIDERS_GRACE, stream.recv()).await
             {
@@ -556,8 +525,7 @@ async fn lookup(
                 }
             }
         }
-        // The walk goes on anyway (until it ends or finds someone): read on, so the bound
-        // learns what it cut.
+        // The walk goes on anyway: read on, so the bound learns what it cut.
         Err(_) => {
             tokio::spawn(read_on(stream, started, bound, metrics.clone()));
         }
@@ -573,10 +541,8 @@ async fn lookup(
     found
 }
 
-/// A walk the pull stopped waiting for: when (if) it finds a provider, that is a lookup the
-/// bound cut. Dropping the stream then ends the walk at its next step (`event_loop` ends a
-/// walk nobody reads when it next reports, as for a lookup waited for, whose stream is dropped
-/// 2 ms after its first provider).
+/// A walk the pull stopped waiting for: a provider it finds later is a lookup the bound cut.
+/// Dropping the stream ends the walk at its next step.
 async fn read_on(
     mut stream: crate::routing::PeerStream,
     started: Instant,

@@ -1,7 +1,5 @@
-//! A peer's answer, whichever way its body comes: a plain HTTP response, or the raw bytes
-//! after a `101` of `zero_copy.rs` (the peer sent a stored blob with `sendfile`). The status
-//! and headers are those of the 200 or 206 the peer would have sent, so every caller handles
-//! both alike.
+//! A peer's answer, as a plain HTTP response or the raw bytes after a `101` of `zero_copy.rs`
+//! with the status and headers the peer would have sent: callers handle both alike.
 
 use std::io;
 
@@ -17,8 +15,7 @@ use tokio_util::io::ReaderStream;
 use super::failure::{PeerFailure, PeerMiss};
 use crate::oci;
 
-/// Read size on an upgraded connection: large reads keep the per-chunk work (hashing call,
-/// a frame to containerd) small next to the bytes.
+/// Large reads keep per-chunk work small next to the bytes.
 const RAW_READ_BYTES: usize = 256 * 1024;
 
 pub struct PeerResponse {
@@ -36,7 +33,7 @@ impl std::fmt::Debug for PeerResponse {
 }
 
 impl PeerResponse {
-    /// Reads `response`: a 101 of the zero-copy protocol is taken over, anything else is kept.
+    /// A 101 of the zero-copy protocol is taken over; anything else is kept.
     pub async fn read(response: reqwest::Response) -> Result<PeerResponse, PeerFailure> {
         if response.status() != StatusCode::SWITCHING_PROTOCOLS {
             return Ok(PeerResponse {
@@ -75,8 +72,7 @@ impl PeerResponse {
         for name in [header::UPGRADE, header::CONNECTION] {
             headers.remove(name);
         }
-        // Exactly the announced bytes: the peer closes the connection after them, and a short
-        // body ends early (the caller resumes elsewhere).
+        // Exactly the announced bytes; a short body ends early (the caller resumes elsewhere).
         let body = ReaderStream::with_capacity(upgraded.take(len), RAW_READ_BYTES).boxed();
         Ok(PeerResponse {
             status,
@@ -93,7 +89,6 @@ impl PeerResponse {
         &self.headers
     }
 
-    /// The announced length of the body (`Content-Length`).
     pub fn content_length(&self) -> Option<u64> {
         self.headers
             .get(header::CONTENT_LENGTH)
@@ -106,8 +101,7 @@ impl PeerResponse {
     }
 }
 
-/// A peer's answer, or none when it could not be built (a header value that is not valid
-/// HTTP): the pull goes on as if the peer had not answered, never with an empty success.
+/// A peer's answer, or a miss when it could not be built: never an empty success.
 pub(super) fn built(answer: Result<Response, axum::http::Error>) -> Result<Response, PeerMiss> {
     answer.map_err(|e| {
         tracing::warn!(error = %e, "a peer's answer could not be passed on");
@@ -115,7 +109,6 @@ pub(super) fn built(answer: Result<Response, axum::http::Error>) -> Result<Respo
     })
 }
 
-/// The peer's status and the headers that describe the content, with our body.
 pub(super) fn forward_headers(
     response: &PeerResponse,
     body: Body,

@@ -3,8 +3,8 @@ use crate::routing::{PeerStream, RoutingError};
 use crate::store::memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// A router whose lookups take a while and are counted; with `provider`, each finds it
-/// after that long, else each ends after 50 ms with nobody.
+/// Lookups take a while and are counted: each finds `provider` after that long, or nobody
+/// after 50 ms.
 #[derive(Default)]
 struct SlowRouter {
     lookups: AtomicUsize,
@@ -85,8 +85,7 @@ async fn concurrent_misses_of_one_digest_share_one_lookup() {
         2,
         "one lookup per digest, however many ask at once"
     );
-    // A miss is remembered for NOT_FOUND_TTL: the GET after a HEAD, or a retry, asks
-    // nobody; after that, the DHT is asked again (the digest may have been announced).
+    // A miss is remembered for NOT_FOUND_TTL; then the DHT is asked again.
     assert!(fetcher.blob(req, digest.clone()).await.is_err());
     assert_eq!(router.lookups.load(Ordering::SeqCst), 2);
     tokio::time::sleep(NOT_FOUND_TTL).await;
@@ -96,8 +95,8 @@ async fn concurrent_misses_of_one_digest_share_one_lookup() {
 
 #[tokio::test]
 async fn a_lookup_still_walking_at_the_resolve_timeout_is_counted_apart_from_a_miss() {
-    // The router's walk ends after 50 ms with nobody: within a 1 s bound that is a miss,
-    // past a 10 ms bound the pull went upstream while the walk was still going.
+    // The walk ends after 50 ms with nobody: a miss within a 1 s bound, a cut walk past a
+    // 10 ms bound.
     for (bound, counted) in [
         (Duration::from_secs(1), "none"),
         (Duration::from_millis(10), "timed_out"),
@@ -134,10 +133,8 @@ async fn a_lookup_still_walking_at_the_resolve_timeout_is_counted_apart_from_a_m
 
 #[tokio::test]
 async fn a_node_whose_lookups_are_slower_than_the_bound_learns_to_wait_for_them() {
-    // Every lookup finds its provider after 200 ms, past the 20 ms floor: the first ones
-    // are cut (the pull goes upstream) and read on; once enough of them have come in late,
-    // the wait covers them (200 ms and half again, under the 1 s ceiling: 100 ms to spare
-    // on a loaded machine).
+    // Every lookup finds its provider after 200 ms, past the 20 ms floor: the first are cut
+    // and read on, then the wait covers them (300 ms, under the 1 s ceiling).
     let after = Duration::from_millis(200);
     let router = Arc::new(SlowRouter {
         provider: Some(after),
@@ -187,6 +184,5 @@ async fn a_node_whose_lookups_are_slower_than_the_bound_learns_to_wait_for_them(
     assert_eq!(count("timed_out"), 10);
     let wait = metrics.peer_resolve_wait.get();
     assert!((0.3..1.0).contains(&wait), "waits {wait} s now");
-    // Lookups that are fast again do not keep it up forever: a window of them brings
-    // the floor back (`bound`'s own tests).
+    // A window of fast lookups brings the floor back (`bound`'s own tests).
 }

@@ -1,8 +1,6 @@
-//! One connection's side of the anchor protocol (`anchors.rs`). The holder opens a stream and
-//! writes one byte every [`PING_EVERY`]; the other side echoes it. The open stream is what
-//! keeps the connection (libp2p closes a connection only once it has no stream for the idle
-//! timeout, on either side); the ping finds a peer that vanished without closing (a node
-//! powered off leaves its sockets open on the other side), whose connection is then closed.
+//! One connection's side of the anchor protocol: the holder pings a byte every [`PING_EVERY`],
+//! the other echoes. Invariant: the open stream keeps the connection on both sides; an
+//! unanswered ping closes it.
 
 use std::collections::VecDeque;
 use std::task::{Context, Poll};
@@ -16,19 +14,16 @@ use libp2p::swarm::handler::{ConnectionEvent, FullyNegotiatedInbound, FullyNegot
 use libp2p::swarm::{ConnectionHandler, ConnectionHandlerEvent, SubstreamProtocol};
 
 pub(super) const ANCHOR_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/anchor/1.0.0");
-/// How often the holder pings: well inside the idle timeout of a plain connection, so that a
-/// dead peer is found long before anyone relies on it again.
+/// Well inside the idle timeout, so a dead peer is found before anyone relies on it again.
 pub(super) const PING_EVERY: Duration = Duration::from_secs(15);
-/// A ping not answered within this closes the connection.
 const PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// The echoing side lets go of an anchor whose holder has not pinged for this long.
 const HOLDER_SILENT: Duration = Duration::from_secs(45);
 
 #[derive(Debug)]
 pub(super) enum Command {
-    /// Hold this connection.
     Hold,
-    /// Let go of the anchor the peer holds on this connection.
+    /// Let go of the peer's anchor here.
     Release,
 }
 
@@ -37,11 +32,10 @@ pub(super) enum Event {
     Held,
     /// The peer closed the anchor stream (or does not speak the protocol).
     Lost,
-    /// The peer stopped answering pings: the connection is to be closed.
+    /// Pings unanswered: close the connection.
     Dead,
-    /// The peer holds this connection.
+    /// The peer holds this connection, or let go of it.
     Anchored,
-    /// It let go of it.
     Unanchored,
 }
 
@@ -185,7 +179,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_peer_that_stops_answering_is_found_within_a_ping_and_its_timeout() {
-        // The other side keeps its socket open and never reads: a node powered off.
+        // A node powered off: its socket stays open and never reads.
         let (a, _b) = tokio::io::duplex(64);
         let started = tokio::time::Instant::now();
         assert_eq!(hold(a.compat()).await, HoldEnd::Silent);

@@ -1,7 +1,5 @@
-//! Anchor connections: the few connections a node keeps open (by a stream of the anchor
-//! protocol) while the rest idle out, so that a node is never without peers between rounds.
-//!
-//! Invariant: at most [`ANCHORS`] held by this node and [`MAX_INBOUND`] taken from others.
+//! Anchor connections: the few a node keeps open while the rest idle out, so it is never
+//! without peers between rounds. Invariant: at most [`ANCHORS`] held, [`MAX_INBOUND`] taken.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
@@ -20,14 +18,13 @@ use libp2p::{Multiaddr, PeerId};
 
 use super::anchor_handler::{Command, Event, Handler};
 
-/// Connections this node holds open. Two would do for reachability; four keep it connected
-/// through two peers restarting at once, at four sockets and a ping every 15 s each.
+/// Connections this node holds open: two would do for reachability; four survive two peers
+/// restarting at once.
 pub const ANCHORS: usize = 4;
-/// Anchors this node keeps for others: held at random, a node is asked by about [`ANCHORS`];
-/// four times that bounds an unlucky or long-lived node.
+/// Anchors kept for others: drawn at random, a node is asked by about [`ANCHORS`]; four times
+/// that bounds an unlucky one.
 pub(super) const MAX_INBOUND: usize = 4 * ANCHORS;
-/// A peer that released an anchor (too many already, or an older Ferry without the protocol)
-/// is not asked again for this long.
+/// A peer that released an anchor is not asked again for this long.
 const REFUSED_FOR: Duration = Duration::from_secs(600);
 
 /// Which connections are held, and by whom: the decisions, apart from the sockets.
@@ -35,11 +32,9 @@ const REFUSED_FOR: Duration = Duration::from_secs(600);
 pub(super) struct Plan {
     want: usize,
     max_inbound: usize,
-    /// Open connections by peer.
     connections: HashMap<PeerId, Vec<ConnectionId>>,
-    /// Anchors this node holds (asked for or open), on which connection.
+    /// Anchors held (asked for or open).
     held: HashMap<PeerId, ConnectionId>,
-    /// Anchors others hold on this node.
     inbound: HashMap<PeerId, ConnectionId>,
     refused: HashMap<PeerId, Instant>,
     random: RandomState,
@@ -65,7 +60,7 @@ impl Plan {
         self.held.len()
     }
 
-    /// Anchors this node holds (open, or asked for a moment ago) and holds for others.
+    /// Anchors held, and held for others.
     pub(super) fn counts(&self) -> (usize, usize) {
         (self.held.len(), self.inbound.len())
     }
@@ -89,9 +84,8 @@ impl Plan {
         }
     }
 
-    /// The next peer to hold, if this node holds fewer than it wants: a random connected
-    /// peer it does not hold yet, preferring one that holds nothing on this node (an anchor
-    /// each way on one connection would keep one socket for two).
+    /// The next peer to hold, if fewer are held than wanted: a random connected peer,
+    /// preferring one that holds nothing here (two anchors on one socket keep one peer).
     pub(super) fn next(&mut self, now: Instant) -> Option<(PeerId, ConnectionId)> {
         if self.held.len() >= self.want {
             return None;
@@ -114,15 +108,13 @@ impl Plan {
         Some(pick)
     }
 
-    /// The anchor on `peer` ended without the connection closing: it was released (or never
-    /// taken); another peer is drawn.
+    /// The anchor on `peer` was released (or never taken) without the connection closing.
     pub(super) fn lost(&mut self, peer: PeerId, now: Instant) {
         self.held.remove(&peer);
         self.refused.insert(peer, now + REFUSED_FOR);
     }
 
-    /// `peer` anchored on this node: false when this node holds enough for others already
-    /// (the anchor is to be released).
+    /// `peer` anchored on this node: false when the anchor is to be released (enough held).
     pub(super) fn anchored(&mut self, peer: PeerId, connection: ConnectionId) -> bool {
         if self.inbound.len() >= self.max_inbound && !self.inbound.contains_key(&peer) {
             return false;
@@ -141,8 +133,7 @@ impl Plan {
 pub(super) struct Behaviour {
     plan: Plan,
     actions: VecDeque<ToSwarm<Infallible, Command>>,
-    /// Something changed (a connection, an anchor) since the plan was last asked: the swarm
-    /// polls its behaviours on every event, and asking scans every connection.
+    /// The swarm polls on every event, and asking the plan scans every connection.
     changed: bool,
     waker: Option<Waker>,
 }
@@ -157,7 +148,6 @@ impl Behaviour {
         }
     }
 
-    /// See [`Plan::counts`].
     pub(super) fn counts(&self) -> (usize, usize) {
         self.plan.counts()
     }

@@ -1,6 +1,5 @@
 //! Batched announcements: which nodes store which of this node's provider records, planned
-//! from one closest-peers walk per region of the key space instead of one walk per key; each
-//! storing node then gets one request with all its keys (`ProvideBatch`).
+//! from one walk per region of the key space; each storing node gets one `ProvideBatch`.
 //!
 //! Invariant: a record lands on the nodes a per-key announcement would have picked, or their
 //! nearest neighbours, so a lookup finds it as it finds Kademlia's own.
@@ -19,20 +18,18 @@ pub(crate) type Hash = [u8; 32];
 pub(crate) const MAX_KEYS_PER_BATCH: usize = 1_000;
 /// A longer key is refused: keys are digests and `<registry>/<repo>:<tag>` names.
 pub(crate) const MAX_KEY_LEN: usize = 512;
-/// Addresses a provider may attach to its records.
 pub(crate) const MAX_ADDRESSES: usize = 8;
 
-/// The request: "I provide these keys; reach me at these addresses". The provider is the
-/// authenticated peer that sent it, never a field of the request.
+/// "I provide these keys; reach me here". The provider is the authenticated sender, never a
+/// field of the request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct ProvideBatch {
     pub keys: Vec<String>,
     pub addrs: Vec<String>,
 }
 
-/// The answer: how many records the receiver stored (it may refuse some when full), and
-/// which keys (positions in the request) it dropped because they already have their 20
-/// providers without the sender (`rest.rs`). Absent from an older Ferry's answer.
+/// How many records the receiver stored, and which keys (positions in the request) it refused
+/// as already full without the sender (`rest.rs`); `full` is absent from older Ferrys.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct ProvideAck {
     pub stored: u32,
@@ -73,8 +70,7 @@ fn xor(a: &Hash, b: &Hash) -> Hash {
     d
 }
 
-/// `h` with every bit from `bits` on set to `one`: the ends of the subtree of `h`'s first
-/// `bits` bits.
+/// `h` with every bit from `bits` on set to `one`: an end of the subtree of its first `bits`.
 fn subtree_end(h: &Hash, bits: u32, one: bool) -> Hash {
     let mut out = *h;
     for (i, byte) in out.iter_mut().enumerate() {
@@ -116,8 +112,7 @@ impl Pending {
         self.keys.get(at).cloned()
     }
 
-    /// A key to walk to: the first at or after `at` (a random point, so walks started together
-    /// go to different regions), else the first.
+    /// The first key at or after `at`, else the first.
     pub(super) fn pick(&self, at: Hash) -> Option<Hash> {
         self.keys
             .range(at..)
@@ -126,11 +121,9 @@ impl Pending {
             .map(|(h, _)| *h)
     }
 
-    /// A walk to `target` found `found` (the nodes closest to it, this node excluded;
-    /// `whole_network` when it found fewer than it asked for, so there are no others). Takes
-    /// the pending keys the walk covers out of the queue and says which node stores which:
-    /// each key goes to the `replicas` found nodes closest to it. A walk that found nobody
-    /// decides nothing: the keys wait for a walk that finds someone.
+    /// A walk to `target` found `found` (this node excluded; `whole_network` when it found
+    /// fewer than asked). Takes the keys it covers out of the queue, each to its `replicas`
+    /// closest found nodes. A walk that found nobody decides nothing.
     pub(super) fn plan(
         &mut self,
         target: &Hash,
@@ -138,7 +131,7 @@ impl Pending {
         whole_network: bool,
         replicas: usize,
     ) -> HashMap<PeerId, Vec<Arc<str>>> {
-        // Each key goes to 20 nodes: shared, not copied 20 times (10,000 keys would be 20 MB).
+        // Shared, not copied once per storing node (10,000 keys would be 20 MB).
         let mut out: HashMap<PeerId, Vec<Arc<str>>> = HashMap::new();
         let peers: Vec<(PeerId, Hash)> = found.iter().map(|p| (*p, peer_hash(p))).collect();
         if peers.is_empty() {
@@ -148,8 +141,7 @@ impl Pending {
             // The walk saw every node: every key is decided.
             self.keys.keys().copied().collect()
         } else {
-            // Every node sharing more than `least` leading bits with the target was found
-            // (a node sharing only `least` was, and it is farther than all of them).
+            // Every node sharing more than `least` leading bits with the target was found.
             let least = peers
                 .iter()
                 .map(|(_, h)| common_prefix(target, h))
@@ -222,8 +214,7 @@ mod tests {
 
     #[test]
     fn a_large_network_takes_few_walks_and_records_land_where_kademlia_puts_them() {
-        // 1,000 nodes, 10,000 keys, 20 replicas. Each walk is answered exactly (the 20 nodes
-        // closest to its target, as a converged Kademlia walk returns).
+        // Each walk is answered exactly, as a converged Kademlia walk returns.
         let all: Vec<(PeerId, Hash)> = (0..1_000)
             .map(|_| PeerId::random())
             .map(|p| (p, peer_hash(&p)))
@@ -248,12 +239,9 @@ mod tests {
         }
         assert!(walks < 200, "{walks} walks for 10,000 keys on 1,000 nodes");
         assert!(requests < 4_000, "{requests} requests");
-        // Every key stored 20 times, some of them always on its 20 true closest nodes (a
-        // lookup asks all 20 before it gives up, so one suffices) and most on them (measured:
-        // 86%); the rest on their nearest neighbours, which a lookup walking there asks too.
+        // Mostly on the true closest nodes (a lookup asks all 20, so one suffices); checked
+        // for every fifth key.
         let (mut exact, mut fewest) = (0, 20);
-        // Every key is stored 20 times; where, checked for every fifth (a debug build sorts
-        // slowly).
         assert!(keys.iter().all(|k| stored[k].len() == 20));
         let checked: Vec<&String> = keys.iter().step_by(5).collect();
         for k in &checked {

@@ -1,6 +1,5 @@
-//! The announcement state machine the event loop drives: which keys this node provides, which
-//! wait for a walk, which are planned for which node, and the rounds that announce them all
-//! again. Planning is `announce_plan.rs`; this part owns the queries and requests in flight.
+//! The announcement state machine: provided keys, walks, batches and rounds (planning is
+//! `announce_plan.rs`). Invariant: every provided key is announced each round unless resting.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
@@ -24,13 +23,11 @@ use super::growth::{Growth, network_size};
 use super::rest::Resting;
 use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 
-/// Walks in flight at once: enough to cover a round's regions quickly, few enough that a
-/// node's start-up round never floods its neighbours.
+/// Enough to cover a round's regions quickly, few enough that a start-up round never floods
+/// the neighbours.
 const MAX_WALKS_IN_FLIGHT: usize = 4;
-/// Batch requests in flight at once.
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
-/// A walk that found nobody (connected, but no peer in the routing table yet) is tried again
-/// after this long, not at once: at once would be a busy loop of empty walks.
+/// A walk that found nobody is retried after this long, not in a busy loop.
 const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
 
 type ProvideEvent = request_response::Event<ProvideBatch, ProvideAck>;
@@ -45,26 +42,20 @@ struct Outgoing {
 pub(crate) struct Announcer {
     timing: ProvideTiming,
     metrics: Arc<Metrics>,
-    /// Every key this node announces (its own records are also in the Kademlia store).
     provided: HashSet<String>,
     pending: Pending,
-    /// Walks in flight, by the position they walk to.
+    /// Walks in flight, by target.
     walks: HashMap<QueryId, Hash>,
     outbox: HashMap<PeerId, Outgoing>,
-    /// Batch requests in flight, with the keys each carries (an answer names refused keys
-    /// by their position).
+    /// Batch requests in flight, with their keys (an answer names refused ones by position).
     batches: HashMap<OutboundRequestId, Vec<Arc<str>>>,
-    /// Keys whose storing nodes are full without this node: skipped for a round or two.
     resting: Resting,
-    /// When every provided key is announced again: after 75-100% of the interval (drawn per
-    /// round), so nodes started together drift apart and never announce in step, and always
-    /// before the records' TTL runs out.
+    /// The next round, 75-100% of the interval away (drawn per round): nodes started together
+    /// drift apart, and records are renewed before their TTL runs out.
     next_round: Instant,
     random: RandomState,
     draws: u64,
-    /// No walk starts before this (see [`EMPTY_WALK_BACKOFF`]).
     walk_after: Option<Instant>,
-    /// The network's size at the last round, for an early one when it has grown a lot.
     growth: Growth,
 }
 
@@ -93,8 +84,7 @@ impl Announcer {
         self.timing.interval
     }
 
-    /// This node provides `keys` from now: its own store answers for them at once, and other
-    /// nodes learn them with the next walks.
+    /// This node provides `keys` from now: its own store at once, other nodes after the walks.
     pub(super) fn advertise(
         &mut self,
         swarm: &mut Swarm<Behaviour>,
@@ -127,8 +117,8 @@ impl Announcer {
         self.update_gauge();
     }
 
-    /// Starts a round when one is due (or the network has grown enough that the last
-    /// round's records are on the wrong nodes: `growth.rs`), then whatever can start.
+    /// Starts a round when one is due or the network has grown (`growth.rs`), then whatever
+    /// can start.
     pub(super) fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
         if now >= self.next_round || self.grown(swarm, now) {
             self.growth.round_started();
@@ -148,8 +138,7 @@ impl Announcer {
         self.progress(swarm);
     }
 
-    /// With no round running (checked every 10 s): whether the network is several times the
-    /// size it was at the end of the last round.
+    /// With no round running: whether the network grew enough for an early round.
     fn grown(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) -> bool {
         if self.provided.is_empty() || !self.idle() || !self.growth.due(now) {
             return false;
@@ -175,7 +164,6 @@ impl Announcer {
             && self.batches.is_empty()
     }
 
-    /// Starts walks for pending keys and sends planned batches, up to the bounds.
     pub(super) fn progress(&mut self, swarm: &mut Swarm<Behaviour>) {
         let backing_off = self.walk_after.is_some_and(|t| Instant::now() < t);
         if swarm.connected_peers().next().is_some() && !backing_off {
@@ -192,7 +180,7 @@ impl Announcer {
     /// Starts one walk; true when there is nothing (more) to start.
     fn start_walk(&mut self, swarm: &mut Swarm<Behaviour>) -> bool {
         let walking: HashSet<&Hash> = self.walks.values().collect();
-        // A random point, so walks started together go to different regions.
+        // Random, so walks started together spread.
         let mut at = [0u8; 32];
         at[..8].copy_from_slice(&self.random.hash_one(self.draws).to_be_bytes());
         self.draws += 1;
@@ -213,8 +201,7 @@ impl Announcer {
         false
     }
 
-    /// A closest-peers query ended (`complete`: it converged, not timed out); false when it
-    /// was not one of ours.
+    /// A closest-peers query ended (`complete`: converged); false when it was not ours.
     pub(super) fn on_walk(
         &mut self,
         swarm: &mut Swarm<Behaviour>,
@@ -230,9 +217,8 @@ impl Announcer {
         if found.is_empty() {
             self.walk_after = Some(Instant::now() + EMPTY_WALK_BACKOFF);
         }
-        // Fewer than asked for from a walk that converged: there are no others. A walk that
-        // timed out says nothing of the rest (taking it for the whole network would put every
-        // waiting key on the few nodes it reached).
+        // Fewer than asked from a converged walk means there are no others; a timed-out walk
+        // says nothing of the rest (else every waiting key would go to the few it reached).
         let replicas = self.timing.replicas;
         let whole_network = complete && found.len() < replicas;
         let ids: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
@@ -252,7 +238,7 @@ impl Announcer {
         true
     }
 
-    /// Sends batches: to each node, once the round's walks are done (one request per node per
+    /// Sends each node its batch once the round's walks are done (one request per node per
     /// round), or as soon as a full batch is ready.
     fn send_batches(&mut self, swarm: &mut Swarm<Behaviour>) {
         let round_planned = self.walks.is_empty() && self.pending.is_empty();
@@ -292,7 +278,6 @@ impl Announcer {
         }
     }
 
-    /// A batch request or answer.
     pub(super) fn on_provide_event(&mut self, swarm: &mut Swarm<Behaviour>, event: ProvideEvent) {
         match event {
             request_response::Event::Message {
@@ -310,7 +295,7 @@ impl Announcer {
                     })
                     .inc();
                 let ack = self.store_batch(swarm, peer, request);
-                // The asker may have given up (timeout, closed connection): nothing to do.
+                // The asker may have given up.
                 let _ = swarm.behaviour_mut().provide.send_response(channel, ack);
             }
             request_response::Event::Message {
@@ -350,7 +335,7 @@ impl Announcer {
     }
 
     /// Stores `peer`'s records and says which keys were full without it. A batch out of
-    /// bounds is refused whole: a Ferry never sends one, so it is not a Ferry's.
+    /// bounds is refused whole: no Ferry sends one.
     fn store_batch(
         &self,
         swarm: &mut Swarm<Behaviour>,
@@ -399,10 +384,9 @@ fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) {
     family.get_or_create(&OutcomeLabels { outcome }).inc();
 }
 
-/// The network's size as this node's routing table shows it (`growth.rs`).
 fn estimate_size(swarm: &mut Swarm<Behaviour>) -> f64 {
     let local = peer_hash(swarm.local_peer_id());
-    // (Each bucket's view borrows the bucket, so its hashes are copied out per bucket.)
+    // Copied out per bucket: each bucket's view borrows it.
     let peers = swarm.behaviour_mut().kad.kbuckets().flat_map(|b| {
         b.iter()
             .map(|e| to_hash(e.node.key.hashed_bytes()))
@@ -411,7 +395,6 @@ fn estimate_size(swarm: &mut Swarm<Behaviour>) -> f64 {
     network_size(&local, peers)
 }
 
-/// How long until the next round: 75-100% of the interval, drawn per round.
 fn round_wait(timing: &ProvideTiming, random: &RandomState, draw: u64) -> std::time::Duration {
     let x = random.hash_one(draw) as f64 / u64::MAX as f64;
     timing.interval.mul_f64(0.75 + 0.25 * x)

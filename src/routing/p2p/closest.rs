@@ -1,13 +1,6 @@
-//! Which node coordinates a key's download (see `coalesce`): the node whose ID is closest to
-//! the key by Kademlia's XOR distance, this node included. Every node that walks the DHT for
-//! the key ends its walk at the same closest nodes, so nodes agree on a coordinator without
-//! being connected to each other: bounded bootstrap dials (`dials.rs`) leave each node with
-//! a few dozen connections, where rendezvous hashing over the connected members needed every
-//! node connected to every node to agree.
-//!
-//! The walk is usually free: a miss has just walked the DHT for providers and found none, and
-//! that walk's closest nodes are kept here for [`CLOSEST_FRESH`]. Otherwise the key costs one
-//! walk for its closest nodes.
+//! Which node coordinates a key's download: the XOR-closest, this node included. All walks
+//! for a key end at the same nodes, so nodes agree unconnected. Invariant: only a walk that
+//! ran to its end stands for its key, for [`CLOSEST_FRESH`].
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -16,25 +9,22 @@ use std::time::{Duration, Instant};
 use libp2p::PeerId;
 use libp2p::kad::{KBucketKey, QueryId, RecordKey};
 
-/// How long a finished walk's closest nodes stand for the key: the claims of one rollout's
-/// storm come within seconds of each other; a node joining or leaving moves few keys.
+/// How long a finished walk stands for its key: a rollout's claims come within seconds, and a
+/// node joining or leaving moves few keys.
 const CLOSEST_FRESH: Duration = Duration::from_secs(30);
-/// Keys whose coordinator is kept at most (about 150 bytes each): a burst of misses larger
-/// than this walks again for the oldest.
+/// Keys whose coordinator is kept at most (about 150 bytes each).
 const CLOSEST_KEPT: usize = 4096;
 
-/// Who coordinates a key, as the walk found it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Coordinator {
     Me,
     Other(PeerId),
 }
 
-/// Walks by key, and the coordinators of keys walked lately (`Q`: the walk's query ID).
+/// Walks by key, and recent walks' coordinators (`Q`: the query ID).
 #[derive(Debug)]
 pub(super) struct Closest<Q = QueryId> {
     me: PeerId,
-    /// Provider walks still running, by query: the key they walk for.
     walking: HashMap<Q, String>,
     found: HashMap<String, (Instant, Coordinator)>,
 }
@@ -48,24 +38,20 @@ impl<Q: Hash + Eq> Closest<Q> {
         }
     }
 
-    /// A walk for `key` started (a provider lookup, or a walk for the coordinator).
     pub(super) fn walking(&mut self, id: Q, key: String) {
         self.walking.insert(id, key);
     }
 
-    /// Whether a walk for `key` is running (a coordinator asked for then waits for its end).
     pub(super) fn is_walking(&self, key: &str) -> bool {
         self.walking.values().any(|k| k == key)
     }
 
-    /// The walk was cut short (its answer was no longer wanted): the nodes it reached are
-    /// not the closest, and must not stand for the key.
+    /// The walk was cut short: the nodes it reached must not stand for the key.
     pub(super) fn abandoned(&mut self, id: &Q) -> Option<String> {
         self.walking.remove(id)
     }
 
-    /// A walk ended; `peers` are the closest nodes that answered it when it ran to its end
-    /// (`None`: it did not, and proves nothing). Returns the key it walked for.
+    /// A walk ended; `peers` are its closest nodes if it ran to its end. Returns its key.
     pub(super) fn walked(
         &mut self,
         id: &Q,
@@ -87,7 +73,6 @@ impl<Q: Hash + Eq> Closest<Q> {
         Some(key)
     }
 
-    /// The coordinator of `key` from a walk that ended lately, if there is one.
     pub(super) fn coordinator(&self, key: &str, now: Instant) -> Option<Coordinator> {
         let (at, coordinator) = self.found.get(key)?;
         (now.duration_since(*at) < CLOSEST_FRESH).then_some(*coordinator)

@@ -1,11 +1,7 @@
 //! A fixed one-way delay on every byte a peer connection receives, for the scale simulation
-//! (`benches/scale.rs`), which runs many nodes on one machine's loopback and needs the latency
-//! of a real network between them. The kernel's `netem` qdisc would do it but is not in every
-//! kernel (not in the one this project's machines run); tokio's timers tick in whole
-//! milliseconds, too coarse for the 0.25 ms of a datacenter hop. So a received chunk is held
-//! until its time, and one thread (`DelayLine`) wakes the readers whose data came due, with
-//! the kernel's sub-millisecond sleep. Never used outside the simulation
-//! (`P2pConfig::simulated_latency` is `None` in Ferry itself).
+//! (`benches/scale.rs`, docs/benchmarks.md): `netem` is not in every kernel, and tokio's
+//! millisecond timers are too coarse for a datacenter hop, so one thread (`DelayLine`) wakes
+//! readers with the kernel's sub-millisecond sleep. Invariant: never used in Ferry itself.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -17,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use futures::{AsyncRead, AsyncWrite};
 
-/// Bytes held per connection before the reader stops taking more from the socket (TCP's own
-/// flow control then slows the sender, as a full receive window would).
+/// Beyond this the reader stops reading, so TCP flow control slows the sender.
 const MAX_HELD: usize = 1 << 20;
 const CHUNK: usize = 64 * 1024;
 
@@ -61,9 +56,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Delayed<S> {
         let this = &mut *self;
         // Take everything the socket has now, stamped with when it may be read.
         while this.end.is_none() && this.held_bytes < MAX_HELD {
-            // Read into this thread's scratch buffer and keep only what came: a fresh zeroed
-            // 64 KiB buffer per read (most reads find nothing, or a few hundred bytes) cost
-            // the simulation more CPU than the nodes' own work did at 100 nodes.
+            // Reused: a zeroed 64 KiB buffer per read cost more CPU than the nodes' own work.
             let read = SCRATCH.with_borrow_mut(|scratch| {
                 Pin::new(&mut this.inner)
                     .poll_read(cx, scratch)

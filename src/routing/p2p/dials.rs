@@ -1,7 +1,5 @@
-//! Bootstrap dials, bounded: a source may name every node of the cluster (the Kubernetes
-//! bootstrap lists every Ferry pod), but a node dials only a few of them, drawn at random, and
-//! Kademlia finds the rest. Dialling everyone made every node hold a connection to every node
-//! (999 at 1,000 nodes), each with its keep-alive, identify and noise state.
+//! Bootstrap dials, bounded: a source may name every node of the cluster, but a node dials only
+//! a few, drawn at random, and Kademlia finds the rest. Invariant: at most the limit in flight.
 
 use std::collections::HashSet;
 use std::collections::hash_map::RandomState;
@@ -10,16 +8,13 @@ use std::hash::BuildHasher;
 use libp2p::Multiaddr;
 use libp2p::swarm::ConnectionId;
 
-/// Bootstrap dials at once, when a source does not say otherwise (`--bootstrap-dials`). One
-/// reachable node is enough to join; three survive two of them being down or slow to answer.
+/// One reachable node is enough to join; three survive two being down or slow.
 pub const DEFAULT_BOOTSTRAP_DIALS: usize = 3;
 
-/// Which bootstrap addresses to dial, and the dials still in flight (a node whose dials hang
-/// does not open more each time it looks again).
+/// Which bootstrap addresses to dial; dials in flight count against the limit.
 #[derive(Debug)]
 pub(super) struct BootstrapDials {
     limit: usize,
-    /// This node's own address, as other nodes' lists name it.
     own: Option<Multiaddr>,
     in_flight: HashSet<ConnectionId>,
     random: RandomState,
@@ -37,9 +32,8 @@ impl BootstrapDials {
         }
     }
 
-    /// Up to the limit, less the dials in flight, of `addrs` (this node's own address and
-    /// duplicates left out), drawn anew each time: a node whose first picks are gone tries
-    /// others on its next look.
+    /// Up to the limit, less the dials in flight, of `addrs` (not this node's own), drawn anew
+    /// each time so dead picks are not retried forever.
     pub(super) fn pick(&mut self, mut addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
         addrs.sort();
         addrs.dedup();
@@ -55,7 +49,6 @@ impl BootstrapDials {
         self.in_flight.insert(id);
     }
 
-    /// A connection was established or failed: if it was a bootstrap dial, it is over.
     pub(super) fn ended(&mut self, id: ConnectionId) {
         self.in_flight.remove(&id);
     }

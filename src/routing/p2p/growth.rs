@@ -1,20 +1,13 @@
-//! An early announcement round when the network has grown several times over since this
-//! node's last one (keys placed among the few nodes that existed would be missed by lookups
-//! until the next round). The size is estimated from the routing table.
-//!
-//! Invariant: a round starts early only when the estimate is [`GROWTH_FACTOR`] times the one
-//! taken when the last round ended.
+//! An early announcement round when the network, estimated from the routing table, has grown
+//! several times over. Invariant: only at [`GROWTH_FACTOR`] times the size at the last round's end.
 
 use std::time::{Duration, Instant};
 
 use super::announce_plan::Hash;
 
-/// A round starts early when the estimated network is this many times the size it was when
-/// the last round ended: records placed then are missed by under 0.5% of lookups up to here.
+/// Records placed before are missed by under 0.5% of lookups up to this growth.
 const GROWTH_FACTOR: f64 = 4.0;
-/// How often the size is estimated while no round runs.
 const CHECK_EVERY: Duration = Duration::from_secs(10);
-/// The nearest known peers the estimate uses (Kademlia's k).
 const NEAREST: usize = 20;
 
 #[derive(Debug, Default)]
@@ -25,12 +18,11 @@ pub(crate) struct Growth {
 }
 
 impl Growth {
-    /// A round began: the size it ends at is the new baseline.
     pub(super) fn round_started(&mut self) {
         self.at_last_round = None;
     }
 
-    /// No round runs: whether the size should be estimated now (at most every 10 s).
+    /// No round runs: whether to estimate the size now.
     pub(super) fn due(&mut self, now: Instant) -> bool {
         if self.next_check.is_some_and(|t| now < t) {
             return false;
@@ -39,12 +31,12 @@ impl Growth {
         true
     }
 
-    /// The round's last answer came: `size` is the network its records went to.
+    /// `size` is the network the round's records went to.
     pub(super) fn round_ended(&mut self, size: f64) {
         self.at_last_round.get_or_insert(size);
     }
 
-    /// The size now, with no round running; true when a round should start at once.
+    /// Whether a round should start at once, with no round running and `size` now.
     pub(super) fn grown(&self, size: f64) -> bool {
         self.at_last_round
             .is_some_and(|before| size >= before * GROWTH_FACTOR)
@@ -55,8 +47,7 @@ impl Growth {
     }
 }
 
-/// The network's size seen from `local`, from the key-space positions of the peers in its
-/// routing table: with fewer than [`NEAREST`] known, all there are (and this node).
+/// The network's size seen from `local`'s routing table; under [`NEAREST`] peers, a count.
 pub(crate) fn network_size(local: &Hash, peers: impl Iterator<Item = Hash>) -> f64 {
     // The leading 64 bits of each distance are plenty for a ratio.
     let mut distances: Vec<u64> = peers
@@ -92,7 +83,7 @@ mod tests {
     #[test]
     fn the_estimate_follows_the_network_within_its_noise() {
         for n in [50usize, 300, 1_000, 5_000] {
-            // Averaged over several nodes' views, as the noise of one view is about 20%.
+            // One view's noise is about 20%.
             let mean: f64 = (0..20)
                 .map(|_| {
                     let (local, peers) = random_network(n - 1);
@@ -117,14 +108,12 @@ mod tests {
     #[test]
     fn a_round_starts_early_only_after_the_network_grew_fourfold() {
         let mut g = Growth::default();
-        // No round has ended: nothing to compare with.
         assert!(!g.grown(1_000.0));
         g.round_ended(100.0);
         assert_eq!(g.baseline(), Some(100.0));
         assert!(!g.grown(150.0));
         assert!(!g.grown(399.0));
         assert!(g.grown(400.0));
-        // The early round ends in a network of 400: growing to 1,000 is not enough again.
         g.round_started();
         assert!(!g.grown(1_600.0), "no baseline while the round runs");
         g.round_ended(400.0);

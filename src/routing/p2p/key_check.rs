@@ -1,7 +1,6 @@
 //! Tells a dialler with another cluster secret apart at once, on the listening side: every
 //! libp2p dialler sends the negotiation header first, so anything else after the
-//! private-network handshake is another key, and the connection is closed (`libp2p-pnet` never
-//! checks the key itself, and such a dial would hang until the connection timeout).
+//! private-network handshake is another key (`libp2p-pnet` never checks it).
 //!
 //! Invariant: the bytes read are handed back to the negotiation unchanged.
 
@@ -11,35 +10,24 @@ use std::task::{Context, Poll};
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite};
 
-/// The first bytes every libp2p dialler sends: multistream-select's header,
-/// `/multistream/1.0.0\n` behind its length (19, one varint byte).
+/// The first bytes every libp2p dialler sends: multistream-select's length-prefixed header.
 const NEGOTIATION_HEADER: &[u8; 20] = b"\x13/multistream/1.0.0\n";
 
-/// What [`expect_same_key`] says when the first bytes are wrong.
 const KEY_MISMATCH: &str = "cluster secrets differ";
 
-/// Whether a dial's error (its text, which lists its causes: libp2p keeps no other trace of
-/// them) is a
-/// node that answered and could not agree with this one: noise failing after the
-/// negotiation, which is how a listener's check (or an older node's garbled negotiation)
-/// ends a dial with another key. A refused or unreachable address is a node not up yet, a
-/// timeout one that is down or hung; a private-network handshake cut before the other's
-/// nonce is a node going away as often as a node without a secret (which says so itself,
-/// on its incoming side), so it is not counted either.
+/// Whether a dial's error text is a node that answered and could not agree (noise failing);
+/// refused, timed-out or cut-short dials are not (docs/design/private-network.md).
 pub(super) fn dial_failed_handshake(causes: &str) -> bool {
     causes.contains("Handshake failed")
 }
 
-/// Whether an incoming connection's error is a dialler with another key (or none when this
-/// node has one, or the reverse): only the check above can say so. A dialler that went away
-/// mid-handshake (a dial it won elsewhere, its own timeout), closed or stayed quiet before
-/// sending anything (a port scan, a TCP health check) is not counted.
+/// Whether an incoming connection's error is [`expect_same_key`]'s: a dialler with another key
+/// (a dialler gone or silent, like a port scan, is not).
 pub(super) fn incoming_failed_handshake(causes: &str) -> bool {
     causes.contains(KEY_MISMATCH)
 }
 
-/// An error and its causes, `: `-separated, as libp2p prints a dial's: a listen error prints
-/// none of them.
+/// An error and its causes, as libp2p prints a dial's; a listen error prints none.
 pub(super) fn causes(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut next = error.source();
@@ -51,9 +39,8 @@ pub(super) fn causes(error: &dyn std::error::Error) -> String {
     text
 }
 
-/// Reads the dialler's first bytes on `stream` (after the private-network handshake): the
-/// stream to negotiate on when they are the negotiation's header, an error naming a
-/// different cluster secret otherwise.
+/// The stream to negotiate on if the dialler's first bytes are the header, else an error
+/// naming a different cluster secret.
 pub(super) async fn expect_same_key<S: AsyncRead + Unpin>(mut stream: S) -> io::Result<Replay<S>> {
     let mut first = [0u8; NEGOTIATION_HEADER.len()];
     stream.read_exact(&mut first).await?;
@@ -76,13 +63,12 @@ pub(super) async fn expect_same_key<S: AsyncRead + Unpin>(mut stream: S) -> io::
 #[derive(Debug)]
 pub(super) struct Replay<S> {
     head: [u8; NEGOTIATION_HEADER.len()],
-    /// How much of `head` was handed out.
     read: usize,
     inner: S,
 }
 
 impl<S> Replay<S> {
-    /// `inner` with nothing to read again: the dialling side, which reads nothing first.
+    /// `inner` with nothing to read again (the dialling side).
     pub(super) fn unread(inner: S) -> Self {
         Replay {
             head: *NEGOTIATION_HEADER,
@@ -137,7 +123,7 @@ mod tests {
         let mut sent = NEGOTIATION_HEADER.to_vec();
         sent.extend_from_slice(b"\x07/noise\n and the rest");
         let mut stream = expect_same_key(Cursor::new(sent.clone())).await.unwrap();
-        // Small reads cross the boundary between the replayed bytes and the stream's own.
+        // Small reads cross from the replayed bytes to the stream's own.
         let mut got = Vec::new();
         let mut chunk = [0u8; 7];
         loop {
@@ -152,7 +138,6 @@ mod tests {
 
     #[tokio::test]
     async fn other_bytes_are_another_key() {
-        // What a dialler with another key's header decrypts to: anything but the header.
         let mut garbage = NEGOTIATION_HEADER.to_vec();
         garbage[5] ^= 0x40;
         garbage.extend_from_slice(b"more");

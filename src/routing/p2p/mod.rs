@@ -1,5 +1,6 @@
-//! The libp2p [`ContentRouting`]: one task owns the `Swarm` (see `event_loop.rs`); [`P2pRouter`] is
-//! the cloneable handle the rest of Ferry holds, sending commands over a channel.
+//! The libp2p [`ContentRouting`]: one task owns the `Swarm` (`event_loop/`); [`P2pRouter`] is
+//! the cloneable handle the rest of Ferry holds. Invariant: nothing but the event loop touches
+//! the swarm; a handle only sends commands.
 
 mod anchor_handler;
 mod anchors;
@@ -45,49 +46,33 @@ use super::{ContentRouting, Peer, PeerStream, RoutingError};
 use crate::metrics::Metrics;
 use crate::ops::problems::Problems;
 
-/// Commands queue up to this many; a full queue makes callers wait (backpressure), it never
-/// drops a command.
+/// A full command queue makes callers wait; it never drops a command.
 const COMMAND_QUEUE: usize = 1024;
 /// Providers buffered per lookup; a caller needs the first few.
 const LOOKUP_BUFFER: usize = 32;
-/// Connections without a stream are closed after this long, except the few anchors each node
-/// holds (`anchors.rs`). Long enough to carry a lookup's walk and the pull behind it on the
-/// connections it opened; short enough that the connections of an announcement round (one to
-/// nearly every node) are gone well before the next one: 10 minutes kept every node connected
-/// to every node (299 of 300 in the simulation). A walk that meets a node not connected pays a
-/// handshake (a few round trips; the HTTP addresses of nodes once seen are kept).
+/// Connections without a stream close after this long, except anchors: long enough for a
+/// lookup and its pull, short enough that a round's connections close before the next.
 pub const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long picking a key's coordinator may wait for a walk of the DHT (milliseconds in a
-/// cluster; usually the miss's own provider walk, already under way). It is on the path of a
-/// pull, before the claim (`coalesce::CLAIM_TIMEOUT`): a walk slower than this falls back to
-/// the closest of the nodes known (routing table and connections; its HTTP address, if
-/// identify has not given it yet, waited for as long again), which in a large network may not
-/// be the walk's pick and at worst costs a second upstream fetch. A node in the routing table
-/// may be dead (the very node that slows the walk): its claim then runs out
-/// (`coalesce::CLAIM_TIMEOUT`) and the pull goes upstream; no answer at all falls back to
-/// rendezvous hashing (`coalesce`).
+/// How long picking a coordinator, on a pull's path, waits for a walk; then the closest node
+/// known (`NearestKnown`), at worst a second upstream fetch.
 const COORDINATOR_WAIT: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone)]
 pub struct P2pConfig {
     pub data_dir: PathBuf,
-    /// Where the swarm listens (TCP).
     pub listen: SocketAddr,
-    /// The address other nodes reach this node at; `None` announces no address (a node that
-    /// only asks, never serves).
+    /// `None` for a node that only asks.
     pub advertise: Option<IpAddr>,
-    /// This node's HTTP peer address, announced through identify.
+    /// Announced through identify.
     pub peer_http_addr: SocketAddr,
     pub timing: ProvideTiming,
-    /// The private-network key (from the cluster secret): nodes without it cannot connect.
+    /// From the cluster secret: nodes without it cannot connect.
     pub psk: Option<[u8; 32]>,
-    /// A one-way delay added to every received byte, for the scale simulation only (see
-    /// `delay.rs`; without a private-network key).
+    /// Scale simulation only (`delay.rs`).
     #[cfg(feature = "test-support")]
     pub simulated_latency: Option<Duration>,
-    /// Bootstrap addresses dialled at once (`--bootstrap-dials`); Kademlia finds the rest.
+    /// Bootstrap addresses dialled at once; Kademlia finds the rest.
     pub bootstrap_dials: usize,
-    /// Connections other than anchors close after this long without a stream:
     /// [`IDLE_CONNECTION_TIMEOUT`] in Ferry; tests shorten it.
     pub idle_timeout: Duration,
 }
@@ -118,20 +103,20 @@ pub(crate) enum Command {
     Withdraw {
         keys: Vec<String>,
     },
-    /// Dial every one of these (tests, `P2pRouter::dial`).
+    /// Dial all (tests, `P2pRouter::dial`).
     Dial {
         addrs: Vec<libp2p::Multiaddr>,
     },
-    /// Dial a few of these (bootstrap sources; `dials.rs`).
+    /// Dial a few (bootstrap; `dials.rs`).
     Bootstrap {
         addrs: Vec<libp2p::Multiaddr>,
     },
-    /// The coordinator of `key` (`closest.rs`), sent once known; dropped if it cannot be.
+    /// Sent once known (`closest.rs`); dropped if it cannot be.
     Coordinator {
         key: String,
         reply: mpsc::Sender<super::Peer>,
     },
-    /// The closest to `key` of the nodes known now, without a walk (`Coordinator` was slow).
+    /// The closest known node, without a walk (`Coordinator` was slow).
     NearestKnown {
         key: String,
         reply: mpsc::Sender<super::Peer>,
@@ -142,14 +127,10 @@ pub(crate) enum Command {
 #[derive(Debug, Default)]
 pub(crate) struct Status {
     pub connected: AtomicUsize,
-    /// Connected peers whose peer address is known (identify): the live member set.
-    /// Kept up to date one peer at a time (an identify, a last connection closed): rebuilding
-    /// the list on every connection event was a tenth of a 300-node simulation's CPU, each
-    /// node connecting to hundreds of others over its first rounds. Read rarely (`ferry
-    /// status`, the coordinator fallback), sorted then.
+    /// Connected peers with a known peer address, updated one at a time (rebuilding it per
+    /// connection event is costly); sorted when read.
     pub members: std::sync::RwLock<std::collections::HashMap<PeerId, Peer>>,
-    /// When each connected peer's first open connection was established, by peer ID (as an
-    /// ID, not text: connections come and go far more often than anyone asks).
+    /// When each peer's first open connection was established (by ID: changes outnumber reads).
     pub connected_since: std::sync::RwLock<std::collections::HashMap<PeerId, SystemTime>>,
 }
 
@@ -164,8 +145,7 @@ pub struct P2pRouter {
 }
 
 impl P2pRouter {
-    /// Builds the swarm, starts listening and spawns the task that owns it. The task stops
-    /// when `token` is cancelled.
+    /// Builds the swarm, listens and spawns the task that owns it, until `token` is cancelled.
     pub fn start(
         config: P2pConfig,
         bootstrap: Arc<dyn Bootstrap>,
@@ -242,7 +222,6 @@ impl P2pRouter {
         self.status.connected.load(Ordering::Relaxed)
     }
 
-    /// Dials these addresses (tests and late bootstrap).
     pub async fn dial(&self, addrs: Vec<libp2p::Multiaddr>) -> Result<(), RoutingError> {
         self.commands
             .send(Command::Dial { addrs })
@@ -251,10 +230,8 @@ impl P2pRouter {
     }
 }
 
-/// TCP; with a cluster secret, the private-network handshake (a pre-shared key: a node
-/// without it cannot even start noise, let alone reach Kademlia); listening, the check that
-/// the dialler speaks libp2p in the clear or under the same key (`key_check.rs`); then noise
-/// and yamux.
+/// TCP; with a cluster secret, the private-network handshake; on the answering side, the check
+/// that the dialler holds the same key (`key_check.rs`); then noise and yamux.
 fn peer_transport(
     key: &Keypair,
     psk: Option<[u8; 32]>,
@@ -300,8 +277,6 @@ fn peer_transport(
 
 type PeerTransport = Boxed<(PeerId, StreamMuxerBox)>;
 
-/// The transport `config` asks for: the peer transport, or in the scale simulation the
-/// delayed one.
 fn transport(
     key: &Keypair,
     config: &P2pConfig,
@@ -313,7 +288,7 @@ fn transport(
     peer_transport(key, config.psk)
 }
 
-/// TCP whose received bytes are held for `latency` (the scale simulation), then noise and yamux.
+/// TCP whose received bytes are held for `latency`, then noise and yamux.
 #[cfg(feature = "test-support")]
 fn delayed_transport(
     key: &Keypair,
@@ -332,9 +307,8 @@ fn delayed_transport(
 }
 
 impl P2pRouter {
-    /// Sends the command `make` builds around a reply channel, and waits for the peer it
-    /// answers with up to [`COORDINATOR_WAIT`]: `Err` when the wait ran out, `Ok(None)` when
-    /// no answer can come (the event loop is gone, or dropped the reply).
+    /// Waits up to [`COORDINATOR_WAIT`] for the command's peer: `Err` when the wait ran out,
+    /// `Ok(None)` when no answer can come.
     async fn ask_for_peer(
         &self,
         make: impl FnOnce(mpsc::Sender<Peer>) -> Command,
@@ -385,7 +359,7 @@ impl ContentRouting for P2pRouter {
 
     async fn lookup(&self, key: &str) -> PeerStream {
         let (reply, rx) = mpsc::channel(LOOKUP_BUFFER);
-        // If the task is gone the sender is dropped with the command: the stream just ends.
+        // If the task is gone the stream just ends.
         let _ = self
             .commands
             .send(Command::Lookup {
@@ -405,10 +379,8 @@ impl ContentRouting for P2pRouter {
         if let Ok(found) = walked.await {
             return found;
         }
-        // The walk is slow (a busy node): pick by the same rule among the nodes known now,
-        // which is the walk's own answer wherever this node knows the key's closest nodes
-        // (every node, in a cluster small enough that each knows all). Rendezvous hashing
-        // instead would name another node than the other nodes' walks did: two leaders.
+        // The walk's own XOR rule over the nodes known now; rendezvous hashing would disagree
+        // with the other nodes' walks: two leaders.
         tracing::info!(
             key,
             waited_ms = COORDINATOR_WAIT.as_millis() as u64,

@@ -1,12 +1,5 @@
-//! The HTTP peer address of each node, as identify told it, with its ID as text.
-//!
-//! Bounded by forgetting: a node replaced by a new one (a new identity: a reinstalled or
-//! recreated node) never says so, and over months of autoscaling its entry would stay for
-//! good. An entry not heard of for a record's lifetime, of a node not connected now, goes:
-//! every record naming it that this node stored has expired by then. Identify comes on
-//! every new connection and every few minutes on an open one, and each round connects a
-//! node to the nodes storing its keys, so a live node's entry is renewed long before; a
-//! lookup that finds a forgotten one as a provider dials it and asks again (`send_peer`).
+//! The HTTP peer address of each node, as identify told it. Invariant: an entry unheard of for
+//! a record's lifetime, of a node not connected, is forgotten (its records have expired).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -34,9 +27,7 @@ impl PeerAddrs {
         self.known.get(id).map(|(p, _)| p)
     }
 
-    /// Identify said `id` serves at `addr`: the peer, its ID encoded once per peer (base58
-    /// is slow: a profile of 300 simulated nodes had it at the top, 10% of the CPU, when it
-    /// was encoded on every connection event).
+    /// The peer `id` serving at `addr`, its ID encoded once (base58 is slow).
     pub(super) fn heard(&mut self, id: PeerId, addr: SocketAddr, now: Instant) -> Peer {
         match self.known.get_mut(&id) {
             Some((known, at)) if known.addr == addr => {
@@ -54,8 +45,7 @@ impl PeerAddrs {
         }
     }
 
-    /// Forgets the nodes not heard of for `forget_after` that are not `connected`; returns
-    /// how many.
+    /// Forgets the nodes not heard of for `forget_after` and not `connected`; returns how many.
     pub(super) fn forget_stale(
         &mut self,
         now: Instant,

@@ -1,6 +1,5 @@
-//! Keys that need not be announced this round: their storing nodes already hold a full set of
-//! providers without this node (a quarter of them refused it as full), so the key rests for
-//! one or two rounds, drawn per key.
+//! Keys that need not be announced this round: a quarter of their storing nodes refused this
+//! node as full, so the key rests one or two rounds, drawn per key.
 //!
 //! Invariant: new keys never rest, and a resting key stays findable through the full nodes.
 
@@ -9,17 +8,14 @@ use std::sync::Arc;
 
 #[derive(Debug)]
 pub(crate) struct Resting {
-    /// A key rests when at least this many of its storing nodes refused it as full in one
-    /// round: a quarter of the nodes it is sent to (5 of 20).
+    /// Refusals in one round that rest a key: a quarter of its storing nodes.
     to_rest: u8,
-    /// Refusals seen since the current round began.
     refusals: HashMap<Arc<str>, u8>,
-    /// Keys skipped at the next round starts, with how many rounds they still skip.
+    /// Resting keys, with how many rounds they still skip.
     rounds_left: HashMap<Arc<str>, u8>,
 }
 
 impl Resting {
-    /// For keys stored on `replicas` nodes each.
     pub(super) fn new(replicas: usize) -> Self {
         Resting {
             to_rest: (replicas / 4).clamp(1, u8::MAX as usize) as u8,
@@ -28,7 +24,7 @@ impl Resting {
         }
     }
 
-    /// A storing node refused `key` as full. `draw` picks one or two rounds of rest.
+    /// A storing node refused `key` as full; `draw` picks one or two rounds of rest.
     pub(super) fn refused(&mut self, key: &Arc<str>, draw: u64) {
         let n = self.refusals.entry(key.clone()).or_default();
         *n = n.saturating_add(1);
@@ -37,13 +33,12 @@ impl Resting {
         }
     }
 
-    /// A round begins: true for a key to announce in it, false for one that rests. Call
-    /// [`Resting::round_started`] once after asking for every key.
+    /// Whether `key` is announced in the round beginning; call [`Resting::round_started`]
+    /// once after asking for every key.
     pub(super) fn announce(&self, key: &str) -> bool {
         !self.rounds_left.contains_key(key)
     }
 
-    /// Counts the round down for every resting key and starts counting refusals afresh.
     pub(super) fn round_started(&mut self) {
         self.rounds_left.retain(|_, n| {
             *n -= 1;
@@ -52,13 +47,11 @@ impl Resting {
         self.refusals.clear();
     }
 
-    /// This node stopped providing `key`.
     pub(super) fn forget(&mut self, key: &str) {
         self.refusals.remove(key);
         self.rounds_left.remove(key);
     }
 
-    /// Keys resting now.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.rounds_left.len()

@@ -31,7 +31,6 @@ struct Provider {
 pub(super) struct ProviderStore {
     local: PeerId,
     max_keys: usize,
-    /// Providers kept per key (Kademlia's k).
     slots: usize,
     providers: HashMap<Box<[u8]>, Vec<Slot>>,
     peers: Vec<Option<Provider>>,
@@ -40,7 +39,6 @@ pub(super) struct ProviderStore {
 }
 
 impl ProviderStore {
-    /// A store for `local`'s node that holds providers for at most `max_keys` keys.
     pub(super) fn new(local: PeerId, max_keys: usize) -> Self {
         ProviderStore {
             local,
@@ -53,18 +51,15 @@ impl ProviderStore {
         }
     }
 
-    /// Keeps at most `slots` providers per key instead of Kademlia's default 20 (at least 1).
+    /// At most `slots` providers per key (at least 1).
     pub(super) fn with_slots(mut self, slots: usize) -> Self {
         self.slots = slots.max(1);
         self
     }
 
-    /// Forgets other nodes' records whose time is up, and keys left with none; returns how
-    /// many records went. libp2p's Kademlia drops an expired record only when its key is
-    /// looked up, so a key nobody asks for again would stay for the node's life (memory that
-    /// grows with every image the cluster ever held, and once `max_keys` is reached, new
-    /// keys kept out). This node's own records are the announcer's (`announcer.rs`), which
-    /// announces them again.
+    /// Forgets other nodes' expired records, and keys left with none; returns how many records
+    /// went. libp2p drops an expired record only when its key is looked up, so unasked keys
+    /// would stay for good. This node's own records are the announcer's.
     pub(super) fn expire(&mut self, now: Instant) -> usize {
         let local = self.number_of(&self.local);
         let mut released = Vec::new();
@@ -83,16 +78,15 @@ impl ProviderStore {
         for n in released {
             self.release(n);
         }
-        // A map that held many more keys than it does now gives the memory back.
+        // Give memory back after a shrink.
         if self.providers.capacity() > 4 * self.providers.len().max(1024) {
             self.providers.shrink_to_fit();
         }
         gone
     }
 
-    /// The addresses `id`'s records carry (none if it has no record here): to reach a
-    /// provider this node holds a record of but has no connection to and Kademlia may not
-    /// know (a node's routing table holds a few hundred of a thousand nodes).
+    /// The addresses `id`'s records carry: to reach a provider this node has no connection to
+    /// and Kademlia may not know.
     pub(super) fn addresses_of(&self, id: &PeerId) -> &[Multiaddr] {
         self.number_of(id)
             .and_then(|n| self.peers.get(n as usize)?.as_ref())
@@ -199,10 +193,10 @@ impl RecordStore for ProviderStore {
         let slots = self
             .providers
             .entry(Box::from(key))
-            // Room for exactly one: most keys never have a second provider record here.
+            // Most keys never get a second provider here.
             .or_insert_with(|| Vec::with_capacity(1));
         if let Some(known) = slots.iter_mut().find(|s| s.provider == n) {
-            // A refresh: new expiry (the addresses were updated above).
+            // A refresh (addresses updated above).
             known.expires = record.expires;
             return Ok(());
         }
@@ -211,9 +205,8 @@ impl RecordStore for ProviderStore {
             expires: record.expires,
         };
         if slots.len() >= self.slots {
-            // Enough providers for this key. One whose time is up makes way (the timer that
-            // expires records may not have run yet); otherwise a provider registered just
-            // for this record goes again.
+            // Full: one whose time is up makes way (the sweep may not have run yet); otherwise
+            // a provider registered just for this record goes again.
             let now = Instant::now();
             if let Some(old) = slots
                 .iter_mut()
@@ -240,8 +233,7 @@ impl RecordStore for ProviderStore {
             .unwrap_or_default()
     }
 
-    /// This node's own records. libp2p asks only to republish them, which Ferry turned off
-    /// (the announcer re-announces): a scan, built on demand.
+    /// This node's own records: a scan, as libp2p asks only to republish, which Ferry turned off.
     fn provided(&self) -> Self::ProvidedIter<'_> {
         let Some(local) = self.number_of(&self.local) else {
             return Vec::new().into_iter();
@@ -280,9 +272,8 @@ impl RecordStore for ProviderStore {
 }
 
 impl ProviderStore {
-    /// Would a record of `provider` for `key` be dropped because the key already has its 20
-    /// providers, all with time left, and `provider` is not one of them? The announcer of
-    /// such a key can rest it (`rest.rs`).
+    /// Whether a record of `provider` for `key` would be dropped: the key has all its
+    /// providers, all with time left, and `provider` is not one (`rest.rs`).
     pub(super) fn crowded(&self, key: &[u8], provider: &PeerId, now: Instant) -> bool {
         let Some(slots) = self.providers.get(key) else {
             return false;
@@ -397,8 +388,7 @@ mod tests {
 
     #[test]
     fn a_week_of_churn_leaves_only_the_records_whose_time_is_not_up() {
-        // Every hour for a week, 1,000 keys appear (images come and go) from other nodes, with
-        // a 24 h TTL, and are never looked up again; the sweep runs every hour.
+        // Hourly for a week, 1,000 other nodes' keys with a 24 h TTL, never looked up again.
         let (me, now) = (PeerId::random(), Instant::now());
         let ttl = Duration::from_secs(24 * 3600);
         let mut store = ProviderStore::new(me, 1_000_000);
@@ -413,10 +403,10 @@ mod tests {
             store.expire(t);
             most = most.max(store.providers.len());
         }
-        // At most one TTL's worth (24 h + the hour just added): flat after the first day.
+        // One TTL's worth plus the hour just added.
         assert!(most <= 25_000, "{most} keys held");
         assert!(store.providers.capacity() <= 4 * 25_000 * 2);
-        // Our own records are Kademlia's to re-announce, even when their expiry is past.
+        // Own records stay, even past their expiry.
         let mut own = record("sha256:own", me);
         own.expires = Some(now);
         store.add_provider(own).unwrap();

@@ -1,14 +1,10 @@
 //! Store -> router: advertise every key this node can serve, withdraw what it no longer can.
+//! One task owns what is advertised, image by image. A full walk at start and on the
+//! re-announcement timer is the safety net; a debounced burst of containerd events walks only
+//! the images it touched. containerd going away ends the events: the task reconnects with
+//! backoff and walks everything again.
 //!
-//! One task owns what is advertised, image by image. At start and on a slow timer (the
-//! re-announcement interval) it walks every image: the safety net. A change in the store (a
-//! burst of containerd events, debounced) costs what changed: one call listing the image
-//! records, then a walk of only the images the events named (created or updated), that point
-//! somewhere new, or that lost a blob just deleted; a deleted image drops its keys without any
-//! call. (On a node with
-//! 2,500 images the whole walk is about 12,500 calls; a pull re-walks only its image.)
-//! containerd going away ends the notifications, and the task reconnects with backoff and
-//! walks everything again.
+//! Invariant: the peer address serves exactly the keys this task has published.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -26,17 +22,14 @@ use crate::oci::manifest::MAX_MANIFEST_BYTES;
 use crate::oci::registry::{Registries, RegistryFilters};
 use crate::store::{Change, ContentStore, ImageRecord};
 
-/// Events arrive in bursts (one pull creates content, then the image); wait this long for the
-/// burst to end before looking.
+/// Events come in bursts (one pull creates content, then the image): wait this long for the
+/// burst to end.
 const DEBOUNCE: Duration = Duration::from_millis(200);
 const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(10);
-/// containerd unreachable for longer than this (a restart takes a few seconds): everything
-/// this node advertised is withdrawn and no longer served to peers, so other nodes stop being
-/// sent to a node that cannot read its store; it is advertised again once containerd is back.
-/// Not shorter: a containerd busy unpacking a storm's layers on a loaded node can time out
-/// Ferry's calls for several seconds in a row (7 s seen in the storm tests), and that is no
-/// reason to withdraw.
+/// containerd unreachable this long: withdraw everything and stop serving it to peers, until
+/// containerd is back. Not shorter: a containerd busy unpacking a storm can time out Ferry's
+/// calls for seconds, and that is no reason to withdraw (`docs/design/announcements.md`).
 pub const WITHDRAW_GRACE: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
@@ -49,10 +42,10 @@ pub struct SyncConfig {
 }
 
 /// The keys this node advertises, published by the sync task (their one owner) for the peer
-/// address, which serves exactly these and nothing else.
+/// address, which serves exactly these.
 pub type Exposed = Arc<BTreeSet<String>>;
 
-/// A channel for [`Exposed`]: the sender goes to [`run`], receivers to the peer listener.
+/// The sender goes to [`run`], receivers to the peer listener.
 pub fn exposure() -> (watch::Sender<Exposed>, watch::Receiver<Exposed>) {
     watch::channel(Arc::new(BTreeSet::new()))
 }
@@ -85,9 +78,8 @@ pub async fn run(
                 None
             }
         };
-        // Reachable means the store can be listed: following its events can fail on its own
-        // (a subscription timing out on a loaded node) while everything else works, and that
-        // must not withdraw anything.
+        // Reachable means the store can be listed: following its events can fail alone
+        // (a subscription timing out on a loaded node), and that must not withdraw anything.
         if sync.reconcile(None).await {
             unreachable_since = None;
         } else {
@@ -117,7 +109,6 @@ pub async fn run(
                         tracing::debug!("store events ended; reconnecting");
                         break;
                     };
-                    // Let the burst finish, then look once.
                     let mut burst = Burst::default();
                     burst.add(first);
                     let _ = tokio::time::timeout(DEBOUNCE, async {
@@ -134,8 +125,8 @@ pub async fn run(
                 }
             }
         }
-        // Every reconnection walks the whole store: one that ends quickly (containerd down,
-        // the subscription refused) waits longer each time; one that lasted starts afresh.
+        // Every reconnection walks the whole store: one that ends quickly waits longer
+        // each time; one that lasted starts afresh.
         if subscribed.elapsed() < RETRY_MAX {
             tokio::select! {
                 _ = token.cancelled() => return,
@@ -148,16 +139,13 @@ pub async fn run(
     }
 }
 
-/// What a burst of events said changed.
 #[derive(Debug, Default)]
 struct Burst {
     /// Events were missed or unreadable: look at everything.
     everything: bool,
-    /// Images created, updated or deleted, by name. An update may keep the target and still
-    /// matter: containerd updates an image after fetching more of its content (another
-    /// platform, or a layer fetched again after it was deleted).
+    /// Images created, updated or deleted. An update may keep the target and still matter:
+    /// containerd updates an image after fetching more of its content.
     images: BTreeSet<String>,
-    /// Content deleted: images that had it lose it.
     deleted: BTreeSet<String>,
 }
 
@@ -176,7 +164,6 @@ impl Burst {
     }
 }
 
-/// What this node advertises, image by image.
 #[derive(Debug, Default)]
 struct Advertised {
     images: HashMap<String, Walked>,
@@ -191,7 +178,6 @@ struct Walked {
     keys: BTreeSet<String>,
 }
 
-/// Keys that start or stop being advertised.
 #[derive(Debug, Default)]
 struct Diff {
     added: BTreeSet<String>,
@@ -235,7 +221,6 @@ impl Advertised {
         }
     }
 
-    /// Is this image's last walk out of date after `burst`?
     fn stale(&self, image: &ImageRecord, burst: &Burst) -> bool {
         match self.images.get(&image.name) {
             None => true,
@@ -258,10 +243,8 @@ struct Reconciler<'a> {
 }
 
 impl Reconciler<'_> {
-    /// Makes the router's view match the store: advertise new keys, withdraw gone ones. With
-    /// a `burst`, only the images it may have changed are walked; without, all of them. If
-    /// the store cannot be listed (containerd down), nothing changes and this says so
-    /// (`false`).
+    /// Makes the router's view match the store; with a `burst`, walks only the images it may
+    /// have changed. `false`, changing nothing, when the store cannot be listed.
     async fn reconcile(&mut self, burst: Option<&Burst>) -> bool {
         let Ok(images) = self.store.images().await else {
             return false;
@@ -333,9 +316,8 @@ impl Reconciler<'_> {
         }
     }
 
-    /// containerd has been unreachable for [`WITHDRAW_GRACE`]: stop serving and advertising
-    /// everything (the reconcile after it is back advertises it again). Records other nodes
-    /// already hold expire on their own; until then this node answers them 404 at once.
+    /// Stops serving and advertising everything. Records other nodes hold expire on their own;
+    /// until then this node answers them 404 at once.
     async fn withdraw_all(&mut self) {
         if self.advertised.keys.is_empty() {
             return;
@@ -357,8 +339,7 @@ impl Reconciler<'_> {
     }
 }
 
-/// Every key the store can serve for images of mirrored registries: each tag, and every
-/// digest (index, manifests, config, layers) that is present in the store.
+/// Every key the store can serve for images of mirrored registries.
 pub async fn inventory(
     store: &dyn ContentStore,
     images: &[ImageRecord],
@@ -373,8 +354,8 @@ pub async fn inventory(
     keys
 }
 
-/// The keys one image gives: its tag, and every digest reachable from its target that is
-/// present. None for an image of a registry that is not mirrored or filtered out.
+/// The keys one image gives: its tag and every present digest reachable from its target;
+/// none for a registry not mirrored or filtered out.
 async fn image_keys(
     walker: &mut Walker<'_>,
     image: &ImageRecord,
@@ -402,11 +383,10 @@ async fn image_keys(
     keys
 }
 
-/// Reads what walks need from the store, each digest once per reconcile: images share
-/// layers and manifests, and a call per digest is what a walk costs.
+/// Reads what walks need, each digest once per reconcile: images share layers and manifests,
+/// and calls per digest are what a walk costs.
 struct Walker<'a> {
     store: &'a dyn ContentStore,
-    /// Size of each digest asked about; `None` when absent.
     sizes: HashMap<Digest, Option<u64>>,
     children: HashMap<Digest, Option<Arc<Children>>>,
 }
@@ -438,7 +418,6 @@ impl<'a> Walker<'a> {
         children
     }
 
-    /// Every present digest reachable from `root` (itself included when present).
     async fn present_from(&mut self, root: &Digest) -> BTreeSet<Digest> {
         let mut present = BTreeSet::new();
         let mut seen = BTreeSet::new();

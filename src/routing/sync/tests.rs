@@ -170,8 +170,7 @@ async fn sync_advertises_and_withdraws_as_the_store_changes() {
     task.await.unwrap();
 }
 
-/// A store that counts the calls walks make (descriptor and read), to show what a change
-/// costs.
+/// A store that counts the calls walks make, to show what a change costs.
 struct Counting {
     inner: Arc<MemoryStore>,
     calls: std::sync::atomic::AtomicUsize,
@@ -278,8 +277,8 @@ async fn advertised(metrics: &Metrics, n: i64) {
     );
 }
 
-/// A pull, a deleted image and a deleted blob each cost calls for the images they touch,
-/// not for the store: 200 images are walked once at start, never again on a change.
+/// A pull, a deleted image and a deleted blob each cost calls for the images they touch:
+/// 200 images are walked once at start, never again on a change.
 #[tokio::test]
 async fn a_change_costs_what_it_touches_not_the_whole_store() {
     let memory = Arc::new(MemoryStore::new());

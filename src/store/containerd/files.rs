@@ -9,12 +9,11 @@ use tokio_util::io::ReaderStream;
 use crate::oci::Digest;
 use crate::store::ByteStream;
 
-/// Read size per chunk. Large reads keep the per-chunk overhead (a blocking-pool hop per read
-/// in tokio's file I/O) small next to the copy itself.
+/// Large reads keep the per-chunk cost (a blocking-pool hop in tokio's file I/O) small.
 const READ_CHUNK_BYTES: usize = 256 * 1024;
 
-/// `<content_dir>/blobs/<algorithm>/<hex>`. `Digest` only admits lowercase hex of a fixed
-/// length and known algorithms, so this cannot leave the content directory.
+/// `Digest` admits only known algorithms and fixed-length lowercase hex, so this path cannot
+/// leave the content directory.
 pub fn blob_path(content_dir: &Path, digest: &Digest) -> PathBuf {
     content_dir
         .join("blobs")
@@ -22,8 +21,8 @@ pub fn blob_path(content_dir: &Path, digest: &Digest) -> PathBuf {
         .join(digest.hex())
 }
 
-/// Opens `len` bytes at `offset` of the blob's file. Fails if the file is missing, unreadable
-/// or not the size containerd says it is (then the caller reads through gRPC instead).
+/// Fails if the file is missing, unreadable or not the size containerd says (the caller then
+/// reads through gRPC).
 pub async fn open(
     content_dir: &Path,
     digest: &Digest,

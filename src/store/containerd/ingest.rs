@@ -1,11 +1,10 @@
-//! containerd's downloads in progress, read out of its ingest directory as they land.
+//! containerd's downloads in progress, read out of its ingest directory as they land. Its
+//! local content store (1.6 to 2.x) writes `<content>/ingest/<sha256 of ref>/` with `ref`
+//! (`<namespace>/<n>/<kind>-<digest>`), `total` and `data`, which grows and is *renamed* to
+//! `blobs/sha256/<hex>` on commit; an open descriptor survives the rename.
 //!
-//! The local content store (1.6, 1.7 and 2.x alike) writes a download to
-//! `<content>/ingest/<sha256 of the internal ref>/`: `ref` (`<namespace>/<n>/<kind>-<digest>`),
-//! `total` (the expected size) and `data`, which grows and is *renamed* into
-//! `blobs/sha256/<hex>` on commit. An open descriptor survives the rename, so a reader opens
-//! `data` once and reads it to `total`. Invariant: a reader's stream ends at `total` or in an
-//! error (aborted, truncated, idle), never short.
+//! Invariant: a reader's stream ends at `total` or in an error (aborted, truncated, idle),
+//! never short.
 
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
@@ -19,21 +18,19 @@ use crate::oci::Digest;
 use crate::store::ByteStream;
 use crate::store::downloads::{Download, POLL};
 
-/// Read size per chunk (as the complete-blob fast path).
 const CHUNK: usize = 256 * 1024;
 
-/// A download in progress in containerd's ingest directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Ingest {
     dir: PathBuf,
     total: u64,
-    /// Where the blob will be once committed (to tell a commit from an abort).
+    /// Where the blob lands on commit (to tell a commit from an abort).
     committed: PathBuf,
 }
 
 impl Ingest {
-    /// The downloads of `digest` with a known size (a reader would not know where an unsized
-    /// one ends), with their refs. Blocking: call it off the runtime's threads.
+    /// The downloads of `digest` with a known size (else a reader could not tell where one
+    /// ends), with their refs. Blocking: call it off the runtime's threads.
     pub(super) fn scan(content_dir: &Path, digest: &Digest) -> Vec<(String, Ingest)> {
         let suffix = format!("-{digest}");
         let committed = super::files::blob_path(content_dir, digest);
@@ -65,7 +62,6 @@ impl Ingest {
             .collect()
     }
 
-    /// Whether its file was written within `fresh`.
     pub(super) fn fresh(&self, fresh: Duration) -> bool {
         std::fs::metadata(self.dir.join("data"))
             .and_then(|m| m.modified())
@@ -136,7 +132,7 @@ struct Reader {
     data: PathBuf,
     committed: PathBuf,
     pos: u64,
-    /// The longest the file has been: a file shorter than that was restarted.
+    /// The longest the file has been: a shorter file was restarted.
     longest: u64,
     total: u64,
     idle_timeout: Duration,
@@ -155,14 +151,12 @@ impl Reader {
             let n = self.file.read(&mut self.buf[..want]).await?;
             if n > 0 {
                 self.pos += n as u64;
-                // Bytes read there: the file was at least this long.
                 self.longest = self.longest.max(self.pos);
                 self.last_progress = Instant::now();
                 return Ok(Some(Bytes::copy_from_slice(&self.buf[..n])));
             }
-            // At the end of what has landed (or before the asked offset has landed: a
-            // follower resuming at an offset the leader has not reached yet): is the download
-            // still going?
+            // At the end of what has landed (or a follower resumed beyond it): is the
+            // download still going?
             let len = self.file.metadata().await?.len();
             if len < self.longest {
                 return Err(std::io::Error::other(
@@ -201,7 +195,7 @@ mod tests {
     use std::io::Write;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    /// Writes downloads into a directory exactly as containerd's local content store does.
+    /// Writes downloads exactly as containerd's local content store does.
     struct Layout {
         content: PathBuf,
         next: AtomicUsize,
@@ -234,20 +228,18 @@ mod tests {
             f.write_all(bytes).unwrap();
         }
 
-        /// A commit is a rename out of the ingest, then the directory goes.
         fn commit(&mut self) {
             std::fs::rename(self.dir.join("data"), &self.committed).unwrap();
             std::fs::remove_dir_all(&self.dir).unwrap();
         }
 
-        /// An abort (`ctr content rm`, a failed pull): the directory goes, nothing lands.
+        /// An abort (`ctr content rm`, a failed pull): nothing lands.
         fn abort(&mut self) -> bool {
             std::fs::remove_dir_all(&self.dir).unwrap();
             true
         }
     }
 
-    /// The containerd store over a content directory; it never dials containerd here.
     fn store(content: &Path) -> ContainerdStore {
         let socket = content.join("no-containerd.sock");
         ContainerdStore::new(socket, "k8s.io".into(), content.to_path_buf())

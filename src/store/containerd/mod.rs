@@ -30,25 +30,23 @@ use super::downloads::{InFlight, Scope};
 use super::{ByteStream, Change, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
 use crate::oci::{ByteRange, Digest};
 
-/// Changes not yet taken by the follower; when it falls this far behind, containerd's stream
-/// waits (and containerd may drop the subscription: the follower then walks everything).
+/// Changes not yet taken by the follower; beyond this containerd's stream waits (and may drop
+/// the subscription: the follower then walks everything).
 const CHANGE_BUFFER: usize = 1024;
 
-/// How long the health probe waits for containerd before calling it down.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// containerd as a content store, scoped to one containerd namespace.
+/// containerd as a content store, scoped to one namespace.
 #[derive(Debug, Clone)]
 pub struct ContainerdStore {
     channel: Channel,
-    /// For the event subscription only (see `channel::lazy_unix_channel_for_streams`).
+    /// For the event subscription only: its calls have no timeout.
     events: Channel,
     namespace: String,
     content_dir: PathBuf,
 }
 
 impl ContainerdStore {
-    /// Does not connect: the channel dials on first use and after every failure.
     pub fn new(socket: PathBuf, namespace: String, content_dir: PathBuf) -> Self {
         Self {
             channel: channel::lazy_unix_channel(socket.clone()),
@@ -62,8 +60,8 @@ impl ContainerdStore {
         with_namespace!(message, self.namespace.as_str())
     }
 
-    /// Size of committed content, scoped to our namespace. This check also gates the direct
-    /// file read: the files are shared by every namespace, the metadata is not.
+    /// Size of committed content in our namespace. Also gates the direct file read: the files are
+    /// shared by every namespace, the metadata is not.
     async fn info(&self, digest: &Digest) -> Result<u64, StoreError> {
         let request = self.request(InfoRequest {
             digest: digest.to_string(),
@@ -78,7 +76,7 @@ impl ContainerdStore {
         u64::try_from(info.size).map_err(|_| StoreError::NotFound)
     }
 
-    /// The fallback when the content directory is not readable: containerd streams the bytes.
+    /// The fallback when the content directory is not readable.
     fn grpc_read(&self, digest: &Digest, offset: u64, len: u64) -> ByteStream {
         let request = self.request(ReadContentRequest {
             digest: digest.to_string(),
@@ -126,8 +124,7 @@ impl ContentStore for ContainerdStore {
             .ok_or(StoreError::NotFound)?;
         let target = image.target.ok_or(StoreError::NotFound)?;
         let digest = target.digest.parse().map_err(|_| StoreError::NotFound)?;
-        // The image record can outlive its content (garbage collection, a partial pull);
-        // report what the content store really has.
+        // The image record can outlive its content (GC, a partial pull): report what is there.
         let size = self.info(&digest).await?;
         Ok(Descriptor {
             digest,
@@ -297,10 +294,8 @@ impl ContentStore for ContainerdStore {
             filters: vec![format!("namespace=={}", self.namespace)],
         };
         let mut client = EventsClient::new(self.events.clone());
-        // The call returns with the response headers, which containerd 1.6 sends with the
-        // first event: the subscription is made in a task of its own, so the caller goes on
-        // (and walks the store) at once. The stream ends when the subscription fails or
-        // ends, and the task ends when the stream is dropped.
+        // containerd 1.6 sends the response headers only with the first event: subscribe
+        // in a task of its own so the caller goes on (and walks the store) at once.
         let (tx, rx) = tokio::sync::mpsc::channel(CHANGE_BUFFER);
         tokio::spawn(async move {
             let follow = async {
@@ -325,10 +320,9 @@ impl ContentStore for ContainerdStore {
     }
 }
 
-/// What an event changes in what a node can serve, if anything: `/images/create`, `update`
-/// and `delete` name an image; `/content/delete` takes a blob away; new content
-/// (`/content/create`, containerd 2.x) and everything else change nothing until an image
-/// names it. An event of interest that cannot be read means "look at everything".
+/// What an event changes in what a node can serve: image create, update and delete name an
+/// image; `/content/delete` takes a blob away; anything else (new content too) changes
+/// nothing until an image names it. An unreadable event of interest means "look at everything".
 fn change_of(event: &Envelope) -> Option<Change> {
     let value = event
         .event

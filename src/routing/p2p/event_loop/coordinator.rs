@@ -1,13 +1,10 @@
-//! The event loop's part in naming a digest's coordinator: a walk to the key, or the nearest
-//! node the routing table knows when the walk is too slow.
+//! Naming a key's coordinator: a walk to the key, or the nearest known node when the walk is
+//! too slow. Invariant: every waiting reply is answered or dropped.
 
 use super::*;
 
 impl EventLoop {
-    /// The coordinator of `key`, to `reply`: from a walk that ended lately, else when the
-    /// walk for the key now running ends (usually the miss's own provider walk: a lookup
-    /// gives up waiting after its wait, `registry::peer::bound`, and its walk goes on), else
-    /// from a walk for the key's closest nodes started now.
+    /// From a recent walk, else the running one (usually the miss's own), else a new walk.
     pub(super) fn coordinator(&mut self, key: String, reply: mpsc::Sender<Peer>) {
         if let Some(found) = self.closest.coordinator(&key, Instant::now()) {
             self.send_coordinator(found, reply);
@@ -23,9 +20,7 @@ impl EventLoop {
         }
     }
 
-    /// The coordinator of `key` among the nodes in the routing table or connected now, for a
-    /// pull that could not wait for the walk: the XOR-closest, as a walk picks, so a node
-    /// whose walk was slow names the node the others' walks named whenever it knows it.
+    /// The XOR-closest known node, as a walk picks, for a pull that could not wait.
     pub(super) fn nearest_known(&mut self, key: String, reply: mpsc::Sender<Peer>) {
         // The walk may have ended since the caller gave up on it.
         if let Some(found) = self.closest.coordinator(&key, Instant::now()) {
@@ -50,9 +45,8 @@ impl EventLoop {
         self.coordinator_walks.insert(id);
     }
 
-    /// A walk for `key` ended, with the closest nodes that answered it if it ran to its end:
-    /// the coordinator to whoever waits for one, or, from a walk that proves nothing (it
-    /// found providers, or failed), a walk of their own.
+    /// A walk ended, with its closest nodes if it ran to its end; otherwise whoever waits
+    /// gets a walk of their own.
     pub(super) fn walk_ended(&mut self, key: String, closest: Option<&[PeerId]>) {
         if !self.coordinator_waiting.contains_key(&key) {
             return;
@@ -78,8 +72,8 @@ impl EventLoop {
         }
     }
 
-    /// Sends `peer` with its HTTP address, at once if identify gave it already, else when it
-    /// does (dialling the peer if need be); a peer that cannot be reached drops `reply`.
+    /// Sends `peer` once identify gives its HTTP address (dialling it if need be); a peer
+    /// that cannot be reached drops `reply`.
     pub(super) fn send_peer(&mut self, peer: PeerId, reply: mpsc::Sender<Peer>) {
         match self.http_addrs.get(&peer) {
             Some(p) => {
@@ -90,9 +84,7 @@ impl EventLoop {
                 if self.swarm.is_connected(&peer) {
                     return;
                 }
-                // Connections idle out (`anchors.rs`): a provider may be a node this one has
-                // never been connected to, known only from its record here, which carries
-                // its addresses (Kademlia adds those it knows, and those a walk just found).
+                // A provider may be known only from its record here, with its addresses.
                 let addrs = self
                     .swarm
                     .behaviour_mut()
@@ -106,7 +98,7 @@ impl EventLoop {
                     .build();
                 match self.swarm.dial(opts) {
                     Ok(()) => {}
-                    // Being dialled already (a walk's request): identify follows that one.
+                    // Already being dialled: identify follows that dial.
                     Err(DialError::DialPeerConditionFalse(_)) => {}
                     Err(e) => {
                         tracing::debug!(%peer, error = %e, "cannot dial peer");

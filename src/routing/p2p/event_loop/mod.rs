@@ -1,6 +1,5 @@
-//! The one task that owns the `Swarm`. Everything else talks to it through commands; every
-//! pending lookup ends on every outcome (found, none, timeout, error, shutdown), because its
-//! reply channel is dropped when the query is over.
+//! The one task that owns the `Swarm`. Invariant: every pending lookup ends on every outcome,
+//! as its reply channel is dropped when the query is over.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -29,66 +28,46 @@ use crate::routing::bootstrap::Bootstrap;
 
 mod coordinator;
 
-/// While no peer is connected, the bootstrap sources are dialled again, first after this
-/// long, then twice as long each time up to [`REBOOTSTRAP_MAX`]: a node of a new pool started
-/// a moment before the nodes it bootstraps from are listening finds them within a fraction of
-/// a second (a fixed 10 s left the kubelet's first pulls, right after the node turned ready,
-/// all going upstream), and the first node of a cluster still finds the others as they come.
+/// Bootstrap retry with no peer, doubling up to [`REBOOTSTRAP_MAX`]: nodes started a moment
+/// apart find each other before the kubelet's first pulls.
 const REBOOTSTRAP_MIN: Duration = Duration::from_millis(50);
 const REBOOTSTRAP_MAX: Duration = Duration::from_secs(10);
-/// With peers connected, how often the loop looks whether it still has any (then the backoff
-/// starts again from [`REBOOTSTRAP_MIN`]).
 const CONNECTED_CHECK: Duration = Duration::from_secs(1);
-/// How often other nodes' expired provider records are swept out of the store (see
-/// `ProviderStore::expire`): a scan of every key, about a millisecond for 12,500 keys.
+/// How often expired records are swept (a scan of every key).
 const EXPIRE_INTERVAL: Duration = Duration::from_secs(60);
-/// A failed handshake is a problem (see `problems.rs`) until this long after the last one.
 const HANDSHAKE_PROBLEM_FOR: Duration = Duration::from_secs(600);
-/// With peers connected, the node walks to its own ID this often: its nearest neighbours
-/// decide which keys it must hold, so those are kept exact. The rest of the routing table is
-/// filled at the first connection (libp2p's bootstrap: a walk to its own ID and one per
-/// bucket farther out) and kept by the traffic itself: every announcement round contacts
-/// nearly every node, and a node that connects is added. Refreshing every bucket each time
-/// (as libp2p's bootstrap does) cost a walk per bucket, about log2 of the network's size, and
-/// a handshake per node met that was no longer connected: in the scale simulation 0.4 CPU
-/// seconds per node each time, against 0.13 for the walk to its own ID (200 nodes).
+/// How often the node walks to its own ID: its nearest neighbours decide which keys it holds;
+/// traffic keeps the rest of the table (docs/design/how-it-works.md).
 const KAD_REFRESH_INTERVAL: Duration = Duration::from_secs(300);
-/// How often the announcer looks whether a round is due and starts what waits (walks for
-/// keys advertised while no peer was connected); at most a tenth of a short interval.
+/// The announcer's tick; at most a tenth of a short interval.
 const ANNOUNCE_TICK: Duration = Duration::from_secs(1);
 
 pub(crate) struct EventLoop {
     swarm: Swarm<Behaviour>,
     commands: mpsc::Receiver<Command>,
-    /// To send ourselves `Dial` after an asynchronous bootstrap resolution.
+    /// For `Bootstrap` after an asynchronous resolution.
     self_commands: mpsc::Sender<Command>,
     status: Arc<Status>,
     bootstrap: Arc<dyn Bootstrap>,
     dials: BootstrapDials,
     metrics: Arc<Metrics>,
     problems: Arc<Problems>,
-    /// This node, as other nodes reach it.
     local: Peer,
-    /// HTTP peer addresses learned through identify (`peer_addrs.rs`).
     http_addrs: PeerAddrs,
-    /// Open provider lookups, with the providers already sent.
+    /// Open lookups, with the providers already sent.
     lookups: HashMap<QueryId, (mpsc::Sender<Peer>, HashSet<PeerId>)>,
-    /// Connections this node has dialled since it started: those dialled while a lookup's
-    /// walk ran (the handshakes it waited for, and any other dial then) are counted for it.
+    /// Dials since start; those during a lookup's walk count for it.
     dialled: u64,
-    /// `dialled` when each lookup's walk started, and whether it found a provider.
+    /// `dialled` at each walk's start, and whether it found a provider.
     lookup_dials: HashMap<QueryId, (u64, bool)>,
-    /// Providers found before we knew their HTTP address: delivered once identify arrives,
-    /// dropped (ending those lookups' streams) when the dial fails or the peer goes away.
+    /// Providers awaiting identify; dropped when the dial fails or the peer goes away.
     awaiting_identify: HashMap<PeerId, Vec<mpsc::Sender<Peer>>>,
-    /// Walks by key, and the coordinators their ends named (kept 30 s).
     closest: Closest,
-    /// Who waits for the coordinator of a key, until a walk for the key ends.
+    /// Who waits for a key's coordinator, until a walk for it ends.
     coordinator_waiting: HashMap<String, Vec<mpsc::Sender<Peer>>>,
-    /// Walks started for a coordinator (no other walk for the key was running or recent).
     coordinator_walks: HashSet<QueryId>,
     announcer: Announcer,
-    /// libp2p's full bootstrap (every bucket) ran since this node last had no peer at all.
+    /// The full bootstrap ran since this node last had no peer.
     kad_bootstrapped: bool,
 }
 
@@ -130,7 +109,7 @@ impl EventLoop {
         tokio::pin!(rebootstrap);
         let mut backoff = REBOOTSTRAP_MIN;
         let mut refresh = tokio::time::interval(KAD_REFRESH_INTERVAL);
-        // The first tick is at once: the full bootstrap runs at the first connection instead.
+        // Not at once: the full bootstrap runs at the first connection instead.
         refresh.reset();
         let mut expire = tokio::time::interval(EXPIRE_INTERVAL);
         let mut announce = tokio::time::interval(
@@ -148,8 +127,7 @@ impl EventLoop {
                 },
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
                 () = &mut rebootstrap => {
-                    // Anchors change on their handlers' events, which reach no one: looked at
-                    // with the connections, every second.
+                    // Anchor changes raise no event: read them every second.
                     self.update_anchored();
                     let next = if self.status.connected.load(Ordering::Relaxed) == 0 {
                         self.resolve_bootstrap();
@@ -186,8 +164,6 @@ impl EventLoop {
         tracing::debug!("peer-to-peer task stopped");
     }
 
-    /// Counts a peer connection that reached the other side and failed its handshake, and
-    /// keeps the problem visible for [`HANDSHAKE_PROBLEM_FOR`] after the last one.
     fn handshake_failed(&self, direction: &'static str, error: &str) {
         self.metrics
             .peer_handshake_failures
@@ -202,8 +178,7 @@ impl EventLoop {
         );
     }
 
-    /// DNS and the Kubernetes API can be slow: resolve off the loop, then dial a few of the
-    /// addresses through our own command queue.
+    /// DNS and the Kubernetes API can be slow: resolve off the loop.
     fn resolve_bootstrap(&self) {
         let bootstrap = self.bootstrap.clone();
         let commands = self.self_commands.clone();
@@ -215,10 +190,8 @@ impl EventLoop {
         });
     }
 
-    /// Dials a few of `addrs` (see `dials.rs`); Kademlia finds the rest of the network.
     fn bootstrap_dial(&mut self, addrs: Vec<libp2p::Multiaddr>) {
-        // Resolved while no peer was connected; one may have come since (an earlier draw's
-        // dial, or another node dialling this one): then there is nothing to do.
+        // A peer may have connected since the resolution started.
         if self.swarm.connected_peers().next().is_some() {
             return;
         }
@@ -290,7 +263,7 @@ impl EventLoop {
                     .or_insert_with(std::time::SystemTime::now);
                 if endpoint.is_dialer() {
                     self.dialled += 1;
-                    // A bootstrap dial: Kademlia learns the address it worked at.
+                    // Kademlia learns the address a bootstrap dial worked at.
                     let addr = endpoint.get_remote_address().clone();
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }
@@ -320,9 +293,8 @@ impl EventLoop {
                     self.awaiting_identify.remove(&peer_id);
                 }
                 self.update_connected();
-                // Cut off from every peer: the table may be stale everywhere, so the next
-                // first connection fills it again (the periodic refresh keeps only the
-                // nearest neighbours).
+                // Cut off: the table may be stale everywhere, so the next first connection
+                // refills it (the periodic refresh keeps only the nearest).
                 if self.status.connected.load(Ordering::Relaxed) == 0 {
                     self.kad_bootstrapped = false;
                 }
@@ -334,8 +306,7 @@ impl EventLoop {
             } => {
                 self.dials.ended(connection_id);
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
-                // A refused or unreachable address is a node not up yet; a failed handshake
-                // is a node that answered and could not agree on the key: another secret.
+                // Only a failed handshake (not a refusal) means another secret.
                 let text = error.to_string();
                 if key_check::dial_failed_handshake(&text) {
                     self.handshake_failed("outgoing", &text);
@@ -380,8 +351,7 @@ impl EventLoop {
                         }
                     }
                     Ok(GetProvidersOk::FinishedWithNoAdditionalRecord { closest_peers }) => {
-                        // Nobody has the key: a miss, whose coordinator is the closest of
-                        // these (`closest.rs`).
+                        // A miss: its coordinator is the closest of these.
                         let walked = self
                             .closest
                             .walked(&id, Some(&closest_peers), Instant::now());
@@ -402,18 +372,15 @@ impl EventLoop {
                     }
                     self.lookups.remove(&id);
                 }
-                // Nobody reads this lookup any more (Ferry takes the first providers and
-                // stops): end the walk instead of asking every closest node for nothing.
-                // Measured in the scale simulation: walks left running after their answer
-                // made lookups started right behind them 10x slower.
+                // Nobody reads it any more: end the walk (left running, it slows later lookups).
                 if self
                     .lookups
                     .get(&id)
                     .is_some_and(|(reply, _)| reply.is_closed())
                 {
                     self.lookups.remove(&id);
-                    // Only walks that found providers are cut short: they prove nothing about
-                    // a coordinator, and a walk of its own serves whoever waits for one.
+                    // Only walks that found providers are cut short; they prove nothing about
+                    // a coordinator, so whoever waits gets a walk of its own.
                     if let Some(key) = self.closest.abandoned(&id) {
                         self.walk_ended(key, None);
                     }
@@ -429,13 +396,11 @@ impl EventLoop {
             } => {
                 let (found, complete) = match result {
                     Ok(ok) => (ok.peers, true),
-                    // Timed out: the nodes it did find can still hold the records, but they
-                    // are not the whole network, however few.
+                    // Its nodes can hold records, but are not the whole network.
                     Err(kad::GetClosestPeersError::Timeout { peers, .. }) => (peers, false),
                 };
                 if self.coordinator_walks.remove(&id) {
-                    // One that timed out still answers with what it found, but does not stand
-                    // for the key afterwards.
+                    // A timed-out walk answers, but does not stand for the key afterwards.
                     let peers: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
                     let walked = self.closest.walked(
                         &id,
@@ -520,9 +485,7 @@ impl EventLoop {
         }
     }
 
-    /// A provider walk ended: what it cost (`ferry_provider_walk_*`), for finding where a
-    /// lookup's time goes; its own log line at debug level (the scale simulation's
-    /// `FERRY_SCALE_LOG=ferry::routing::p2p::event_loop=debug`).
+    /// Counts a provider walk's cost (`ferry_provider_walk_*`) and logs it at debug level.
     fn lookup_ended(&mut self, id: QueryId, stats: &kad::QueryStats) {
         let (dials_at, found) = self
             .lookup_dials
