@@ -47,7 +47,8 @@ use ferry::registry::peer::{DEFAULT_RESOLVE_TIMEOUT_MAX, ResolveBound};
 use ferry::routing::ContentRouting;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
-    DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS,
+    ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter,
+    ProvideTiming, REPLICAS,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -837,6 +838,7 @@ fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode 
         simulated_latency: shape.latency,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
         idle_timeout: shape.idle,
+        caps: ConnectionCaps::default(),
     };
     let (router, task) = P2pRouter::start(
         config,

@@ -15,8 +15,8 @@ use ferry::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
 use ferry::ops::problems::Problems;
 use ferry::routing::bootstrap::{Bootstrap, StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
-    ANCHORS, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming,
-    REPLICAS,
+    ANCHORS, ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig,
+    P2pRouter, ProvideTiming, REPLICAS,
 };
 use ferry::routing::{ContentRouting, Peer};
 use ferry::trust::ClusterSecret;
@@ -108,6 +108,7 @@ fn start_from(
         simulated_latency: None,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
         idle_timeout,
+        caps: ConnectionCaps::default(),
     };
     let token = CancellationToken::new();
     let metrics = Arc::new(Metrics::new());

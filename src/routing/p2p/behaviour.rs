@@ -5,13 +5,14 @@ use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
+use libp2p::connection_limits::{self, ConnectionLimits};
 use libp2p::identity::Keypair;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{StreamProtocol, identify, kad, request_response};
 
-use super::anchors;
 use super::announce_plan::{ProvideAck, ProvideBatch};
 use super::store::ProviderStore;
+use super::{ConnectionCaps, anchors, per_ip};
 
 pub(super) const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
 /// Peers speaking another identify version are not added to the DHT.
@@ -32,6 +33,9 @@ const PARALLELISM: usize = 5;
 
 #[derive(NetworkBehaviour)]
 pub(super) struct Behaviour {
+    // First, so that a refused connection reaches no other behaviour.
+    pub limits: connection_limits::Behaviour,
+    pub per_ip: per_ip::Behaviour,
     pub kad: kad::Behaviour<ProviderStore>,
     pub identify: identify::Behaviour,
     pub provide: request_response::json::Behaviour<ProvideBatch, ProvideAck>,
@@ -51,7 +55,12 @@ pub struct ProvideTiming {
 pub const REPLICAS: usize = 20;
 
 impl Behaviour {
-    pub(super) fn new(key: &Keypair, peer_http_addr: SocketAddr, timing: ProvideTiming) -> Self {
+    pub(super) fn new(
+        key: &Keypair,
+        peer_http_addr: SocketAddr,
+        timing: ProvideTiming,
+        caps: ConnectionCaps,
+    ) -> Self {
         let peer_id = key.public().to_peer_id();
         let mut config = kad::Config::new(KAD_PROTOCOL);
         config
@@ -89,7 +98,13 @@ impl Behaviour {
             [(PROVIDE_PROTOCOL, request_response::ProtocolSupport::Full)],
             request_response::Config::default().with_request_timeout(QUERY_TIMEOUT),
         );
+        let count = |n: usize| Some(u32::try_from(n).unwrap_or(u32::MAX));
+        let limits = ConnectionLimits::default()
+            .with_max_pending_incoming(count(caps.pending_incoming))
+            .with_max_established(count(caps.established));
         Behaviour {
+            limits: connection_limits::Behaviour::new(limits),
+            per_ip: per_ip::Behaviour::new(caps.per_ip),
             kad,
             identify,
             provide,

@@ -16,6 +16,7 @@ mod growth;
 pub(crate) mod identity;
 mod key_check;
 mod peer_addrs;
+mod per_ip;
 mod rest;
 mod store;
 
@@ -31,7 +32,8 @@ use libp2p::core::transport::Boxed;
 use libp2p::core::upgrade::Version;
 use libp2p::core::{ConnectedPoint, Endpoint};
 use libp2p::identity::Keypair;
-use libp2p::pnet::{PnetConfig, PreSharedKey};
+use libp2p::pnet::{PnetConfig, PnetOutput, PreSharedKey};
+use libp2p::tcp::tokio::TcpStream;
 use libp2p::{PeerId, SwarmBuilder, Transport, noise, tcp, yamux};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -75,7 +77,38 @@ pub struct P2pConfig {
     pub bootstrap_dials: usize,
     /// [`IDLE_CONNECTION_TIMEOUT`] in Ferry; tests shorten it.
     pub idle_timeout: Duration,
+    pub caps: ConnectionCaps,
 }
+
+/// How many connections libp2p may hold: an outsider's connections never take what members
+/// need (with a cluster secret, outsiders never get past the handshake).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionCaps {
+    /// Incoming connections still in their handshake, from everyone together.
+    pub pending_incoming: usize,
+    /// Established connections, both directions.
+    pub established: usize,
+    /// Incoming connections from one address, pending or established (loopback exempt).
+    pub per_ip: usize,
+}
+
+impl Default for ConnectionCaps {
+    fn default() -> Self {
+        ConnectionCaps {
+            pending_incoming: 128,
+            established: 2048,
+            per_ip: PER_IP,
+        }
+    }
+}
+
+/// A member opens one connection to a node, two when both dial at once.
+pub const PER_IP: usize = 8;
+/// From accept to the private-network handshake and the key check done: both are a few bytes
+/// each way, so a silent dialler is dropped long before libp2p's own upgrade bound.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+/// The whole upgrade (handshake, noise, yamux).
+const UPGRADE_DEADLINE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum P2pError {
@@ -158,7 +191,9 @@ impl P2pRouter {
         let peer_http_addr = config.peer_http_addr;
         let timing = config.timing;
         let idle = config.idle_timeout;
-        let behaviour = move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing);
+        let caps = config.caps;
+        let behaviour =
+            move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing, caps);
         let transport_err = |e: Box<dyn std::error::Error + Send + Sync>| P2pError::Transport(e);
         let mut swarm = SwarmBuilder::with_existing_identity(key)
             .with_tokio()
@@ -239,40 +274,57 @@ fn peer_transport(
     let noise = noise::Config::new(key)?;
     Ok(
         tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
-            .and_then(move |socket, endpoint| async move {
-                let stream = match psk {
-                    Some(psk) => Either::Left(
-                        PnetConfig::new(PreSharedKey::new(psk))
-                            .handshake(socket)
-                            .await
-                            .map_err(|e| {
-                                std::io::Error::other(format!(
-                                    "private-network handshake failed: {e}"
-                                ))
-                            })?,
-                    ),
-                    None => Either::Right(socket),
-                };
-                // The side that answers multistream-select reads the header: the listener,
-                // or a dialler told to act as one (libp2p's `upgrade::apply` does the same).
-                let answering = match endpoint {
-                    ConnectedPoint::Listener { .. } => true,
-                    ConnectedPoint::Dialer { role_override, .. } => {
-                        role_override == Endpoint::Listener
-                    }
-                };
-                if answering {
-                    key_check::expect_same_key(stream).await
-                } else {
-                    Ok(key_check::Replay::unread(stream))
+            .and_then(move |socket, endpoint| {
+                let upgrade = checked(socket, endpoint, psk);
+                async move {
+                    tokio::time::timeout(HANDSHAKE_DEADLINE, upgrade)
+                        .await
+                        .map_err(|_| {
+                            std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "no private-network handshake in time",
+                            )
+                        })?
                 }
             })
             .upgrade(Version::V1Lazy)
             .authenticate(noise)
             .multiplex(yamux::Config::default())
+            .timeout(UPGRADE_DEADLINE)
             .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
             .boxed(),
     )
+}
+
+/// The private-network handshake (with a key), then the check that the dialler speaks
+/// libp2p under the same key (`key_check.rs`).
+async fn checked(
+    socket: TcpStream,
+    endpoint: ConnectedPoint,
+    psk: Option<[u8; 32]>,
+) -> std::io::Result<key_check::Replay<Either<PnetOutput<TcpStream>, TcpStream>>> {
+    let stream = match psk {
+        Some(psk) => Either::Left(
+            PnetConfig::new(PreSharedKey::new(psk))
+                .handshake(socket)
+                .await
+                .map_err(|e| {
+                    std::io::Error::other(format!("private-network handshake failed: {e}"))
+                })?,
+        ),
+        None => Either::Right(socket),
+    };
+    // The side that answers multistream-select reads the header: the listener, or a dialler
+    // told to act as one (libp2p's `upgrade::apply` does the same).
+    let answering = match endpoint {
+        ConnectedPoint::Listener { .. } => true,
+        ConnectedPoint::Dialer { role_override, .. } => role_override == Endpoint::Listener,
+    };
+    if answering {
+        key_check::expect_same_key(stream).await
+    } else {
+        Ok(key_check::Replay::unread(stream))
+    }
 }
 
 type PeerTransport = Boxed<(PeerId, StreamMuxerBox)>;
