@@ -976,3 +976,155 @@ fn a_containerd_config_that_defeats_ferry_is_shown_not_fatal() {
     .to_string();
     assert!(!body.contains("problems"), "{body}");
 }
+
+/// A metric's value from `/metrics` text, `None` when the series is absent.
+fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// Hostile clients under the open-file limit a systemd service gets by default (1,024, soft and
+/// hard, so Ferry cannot raise it): thousands of idle connections on the mirror and the ops
+/// address, slow readers holding every request slot, HTTP/2 prefaces, and half-open
+/// private-network handshakes on the libp2p port. While they hold, the probes answer, the
+/// mirror answers, and containerd's pulls through Ferry succeed (those that find no slot go
+/// upstream at once). Ferry never runs out of descriptors, and says its limit is too low.
+#[test]
+fn hostile_clients_under_1024_open_files_never_stall_a_pull_or_a_probe() {
+    require("prlimit");
+    let w = World::with_layers(1, 48 * 1024 * 1024);
+    let hosts = w.dir().join("plain-certs.d");
+    std::fs::create_dir_all(&hosts).unwrap();
+    w.node.pull("k8s.io", &w.reference(), &hosts);
+    let secret = w.dir().join("secret");
+    std::fs::write(&secret, "a cluster secret of at least thirty-two bytes").unwrap();
+    let (p2p, peer) = (free_addr(), free_addr());
+    let (p2p_arg, peer_arg) = (p2p.to_string(), peer.to_string());
+    let args = [
+        "--advertise-addr",
+        "127.0.0.1",
+        "--p2p-addr",
+        &p2p_arg,
+        "--peer-addr",
+        &peer_arg,
+        "--cluster-secret-file",
+        secret.to_str().unwrap(),
+    ];
+    let limit = ["prlimit", "--nofile=1024:1024", "--"];
+    let ferry = Ferry::start_under(w.dir(), &w.node, &args, &limit);
+    wait_for("ferry /readyz", || ferry.ready());
+    let metrics = || {
+        let body = http("GET", &format!("http://{}/metrics", ferry.metrics), &[]).body;
+        String::from_utf8_lossy(&body).into_owned()
+    };
+    let text = metrics();
+    assert_eq!(metric_value(&text, "process_max_fds"), Some(1024.0));
+    assert_eq!(
+        metric_value(&text, "ferry_config_problems{problem=\"open_file_limit\"}"),
+        Some(1.0),
+        "a limit too low for the budgets is reported"
+    );
+
+    // The same pull without an attack, for the figure.
+    let timed_pull = |namespace: &str| {
+        let started = std::time::Instant::now();
+        w.node.pull(namespace, &w.reference(), &ferry.hosts_dir);
+        started.elapsed()
+    };
+    let layer = w.image.layers[0].clone();
+    let layer_fetches = || {
+        w.registry
+            .served()
+            .iter()
+            .filter(|u| u.contains(&layer))
+            .count()
+    };
+    let first = layer_fetches();
+    let calm = timed_pull("calm");
+    assert_eq!(
+        layer_fetches(),
+        first,
+        "without an attack Ferry serves the layer: {:?}\n{}",
+        w.registry.served(),
+        ferry.proc.log_text()
+    );
+
+    let blob = format!("/v2/team/app/blobs/{layer}?{}", w.ns());
+    let connect = |addr| std::net::TcpStream::connect(addr).unwrap();
+    let mut held: Vec<std::net::TcpStream> = Vec::new();
+    for _ in 0..1500 {
+        held.push(connect(ferry.mirror));
+        held.push(connect(ferry.metrics));
+    }
+    for _ in 0..300 {
+        let mut s = connect(ferry.mirror);
+        write!(s, "GET {blob} HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+        held.push(s);
+    }
+    for _ in 0..50 {
+        let mut s = connect(ferry.mirror);
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+        held.push(s);
+    }
+    // Half-open private-network handshakes: the 24-byte nonce, then silence.
+    for _ in 0..1000 {
+        let Ok(mut s) = std::net::TcpStream::connect_timeout(&p2p, Duration::from_secs(2)) else {
+            continue;
+        };
+        let _ = s.write_all(&[7u8; 24]);
+        held.push(s);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+
+    for _ in 0..3 {
+        for path in ["/healthz", "/readyz"] {
+            let started = std::time::Instant::now();
+            let status = probe(ferry.metrics, path, Duration::from_secs(5));
+            eprintln!("under attack {path}: {status:?} in {:?}", started.elapsed());
+            assert_eq!(
+                status.as_deref(),
+                Ok("HTTP/1.1 200 OK"),
+                "{path} under attack"
+            );
+        }
+        // Every request slot is held by a slow reader: the mirror answers at once, with the
+        // 404 that sends containerd to the registry.
+        let status = probe(ferry.mirror, "/v2/", Duration::from_secs(5));
+        eprintln!("under attack /v2/: {status:?}");
+        assert!(
+            matches!(
+                status.as_deref(),
+                Ok("HTTP/1.1 200 OK" | "HTTP/1.1 404 Not Found")
+            ),
+            "the mirror under attack: {status:?}"
+        );
+    }
+    let attacked = timed_pull("attacked");
+    let rss = rss_kib(ferry.proc.pid());
+    let open = metric_value(&metrics(), "process_open_fds").unwrap_or_default();
+    eprintln!(
+        "pull of a 48 MiB image through Ferry: {calm:?} calm, {attacked:?} with {} hostile connections held ({:.1}x); RSS {} MiB; {open} descriptors open of 1024",
+        held.len(),
+        attacked.as_secs_f64() / calm.as_secs_f64(),
+        rss / 1024
+    );
+    drop(held);
+
+    // Once they are gone, Ferry serves the image again (a slot held by a slow reader comes back
+    // when its connection closes).
+    let served_before = layer_fetches();
+    wait_for("the slots back", || {
+        probe(ferry.mirror, "/v2/", Duration::from_secs(5)).as_deref() == Ok("HTTP/1.1 200 OK")
+    });
+    timed_pull("after");
+    assert_eq!(
+        layer_fetches(),
+        served_before,
+        "after the attack Ferry serves the layer again"
+    );
+    let log = ferry.proc.log_text();
+    assert!(
+        !log.contains("Too many open files"),
+        "Ferry ran out of descriptors"
+    );
+}

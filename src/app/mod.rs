@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use axum::http::StatusCode;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,6 +23,7 @@ pub use setup::{Listeners, PeerSetup, Peering};
 use crate::config::Config;
 use crate::containerd_config;
 use crate::metrics::Metrics;
+use crate::net::budget::Budgets;
 use crate::net::listen;
 use crate::net::pace::Pace;
 use crate::ops::problems::Problems;
@@ -135,6 +137,10 @@ pub async fn serve(
         tracker: TaskTracker::new(),
     };
     hosts::check_containerd_config(&config, &node.problems);
+    let budgets = Budgets::for_this_process();
+    if let Some(detail) = budgets.shortfall() {
+        node.problems.set("open_file_limit", detail);
+    }
     node.readiness.listening.store(true, Ordering::Relaxed);
     node.readiness.hosts_written.store(true, Ordering::Relaxed);
     node.metrics.hosts_config_written.set(1);
@@ -171,7 +177,10 @@ pub async fn serve(
         coalesce: coalesce.clone(),
         recent: recent.clone(),
     };
-    node.spawn_server("mirror", listeners.mirror, registry::mirror::router(mirror));
+    // A request without a slot gets a 404: containerd and peers go to their next source.
+    let mirror_router = registry::mirror::router(mirror);
+    let mirror_budget = (budgets.mirror, StatusCode::NOT_FOUND);
+    node.spawn_server("mirror", listeners.mirror, mirror_router, mirror_budget);
     if let Some(listener) = listeners.peer {
         let peer_api = PeerApiState {
             store: node.store.clone(),
@@ -189,7 +198,13 @@ pub async fn serve(
                 .peer_upload_limit
                 .map(|rate| Arc::new(Pace::new(rate))),
         };
-        node.spawn_server("peer", listener, registry::peer_api::router(peer_api));
+        let peer_budget = (budgets.peer, StatusCode::NOT_FOUND);
+        node.spawn_server(
+            "peer",
+            listener,
+            registry::peer_api::router(peer_api),
+            peer_budget,
+        );
     }
     let sources = ops::Sources {
         readiness: node.readiness.clone(),
@@ -203,7 +218,8 @@ pub async fn serve(
         debug_page: config.debug_page,
         node: config.node_name.clone(),
     };
-    node.spawn_server("ops", listeners.ops, ops::router(sources));
+    let ops_budget = (budgets.ops, StatusCode::SERVICE_UNAVAILABLE);
+    node.spawn_server("ops", listeners.ops, ops::router(sources), ops_budget);
     node.spawn_loops(&config, peers, exposed_tx);
     node.tracker.spawn(hosts::refresh_hosts(
         config,

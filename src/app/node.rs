@@ -14,7 +14,7 @@ use crate::coalesce::Coalescer;
 use crate::config::Config;
 use crate::kubernetes::{self, taint::TaintConfig};
 use crate::metrics::Metrics;
-use crate::net::listen;
+use crate::net::{budget, listen};
 use crate::ops::problems::Problems;
 use crate::ops::{Readiness, watch};
 use crate::registry::PeerFetcher;
@@ -118,8 +118,9 @@ impl Node {
         name: &'static str,
         listener: TcpListener,
         router: axum::Router,
+        budget: (budget::Listener, axum::http::StatusCode),
     ) {
-        listen::spawn(&self.tracker, &self.token, name, listener, router);
+        listen::spawn(&self.tracker, &self.token, name, listener, router, budget);
     }
 
     /// The loops that keep readiness, problems and the DHT current.

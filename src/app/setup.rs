@@ -11,12 +11,15 @@ use crate::coalesce::CoalesceConfig;
 use crate::config::{Config, DEFAULT_PEER_PORT};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap};
 use crate::metrics::Metrics;
+use crate::net::budget::Budgets;
 use crate::ops::problems::Problems;
 use crate::registry::ResolveTags;
 use crate::registry::peer::PeerFetchConfig;
 use crate::routing::ContentRouting;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
-use crate::routing::p2p::{IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, ProvideTiming, REPLICAS};
+use crate::routing::p2p::{
+    ConnectionCaps, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, PER_IP, ProvideTiming, REPLICAS,
+};
 use crate::routing::sync::SyncConfig;
 use crate::trust::ClusterSecret;
 
@@ -133,6 +136,7 @@ impl PeerSetup {
                 simulated_latency: None,
                 bootstrap_dials: config.bootstrap_dials,
                 idle_timeout: IDLE_CONNECTION_TIMEOUT,
+                caps: connection_caps(Budgets::for_this_process()),
             },
             bootstrap: Bootstraps(sources),
             bootstrap_configured: !config.bootstrap_peers.is_empty()
@@ -265,5 +269,14 @@ impl Peering {
                 secret,
             }),
         }
+    }
+}
+
+/// libp2p's share of the open-file budget.
+fn connection_caps(budgets: Budgets) -> ConnectionCaps {
+    ConnectionCaps {
+        pending_incoming: budgets.p2p.pending_incoming,
+        established: budgets.p2p.established,
+        per_ip: PER_IP,
     }
 }

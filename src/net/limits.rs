@@ -10,11 +10,6 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Open connections per listener: containerd opens a few per pull, peers one pool each.
-pub(crate) const MAX_CONNECTIONS: usize = 2048;
-/// Requests answered at once per listener, bodies included.
-pub(crate) const MAX_IN_FLIGHT: usize = 1024;
-
 /// A TCP listener that accepts at most `limit` connections at a time.
 #[derive(Debug)]
 pub struct LimitedListener {

@@ -6,8 +6,11 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::limits::{LimitedListener, MAX_CONNECTIONS, MAX_IN_FLIGHT};
-use super::server::{self, Bounds, HEAD_DEADLINE};
+use axum::http::StatusCode;
+
+use super::budget;
+use super::limits::LimitedListener;
+use super::server::{self, Bounds, HEAD_DEADLINE, PROGRESS_DEADLINE, SLOT_WAIT};
 
 /// The accept queue (capped by `net.core.somaxconn`): 128 overflows under a burst at the
 /// connection limit, and an overflow leaves a client believing it is connected for seconds.
@@ -48,14 +51,19 @@ pub(crate) fn spawn(
     name: &'static str,
     listener: TcpListener,
     router: axum::Router,
+    (budget, busy): (budget::Listener, StatusCode),
 ) {
-    let listener = LimitedListener::new(listener, MAX_CONNECTIONS);
+    let listener = LimitedListener::new(listener, budget.connections);
     let bounds = Bounds {
         head_deadline: HEAD_DEADLINE,
-        in_flight: MAX_IN_FLIGHT,
+        in_flight: budget.in_flight,
+        slot_wait: SLOT_WAIT,
+        progress_deadline: PROGRESS_DEADLINE,
+        busy,
     };
-    tracing::debug!("{name} listener serving");
-    tracker.spawn(server::serve(listener, router, bounds, token.clone()));
+    tracing::debug!(?budget, "{name} listener serving");
+    let serving = server::serve(listener, name, router, bounds, token.clone());
+    tracker.spawn(serving);
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Network plumbing, no policy: the accept loop, connection and request bounds, the sending
 //! rate, the advertised address.
 
+pub mod budget;
 pub(crate) mod host_addr;
 pub(crate) mod limits;
 pub(crate) mod listen;

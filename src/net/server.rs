@@ -1,7 +1,8 @@
-//! Serving a router with hyper directly, with the bounds of docs/security.md: a deadline to each
-//! request head (hyper's starts only at the first byte; HTTP/2's preface has none), eviction of
-//! the longest-idle at the limit, requests counted until their body is sent. Invariant: a
-//! connection is closed only while none of its requests is being answered.
+//! Serving a router with hyper directly, HTTP/1 only, with the bounds of docs/security.md: a
+//! deadline to each request head (hyper's starts only at the first byte), eviction of the
+//! longest-idle at the limit, requests counted until their body is sent, a short wait for a
+//! slot, and a cut for a response that stops moving. Invariant: a connection is closed while
+//! one of its requests is answered only when that response made no progress for its deadline.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -11,23 +12,33 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use axum::http::StatusCode;
 use axum::serve::Listener;
 use hyper::body::{Frame, SizeHint};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto::Builder;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
 use crate::net::limits::LimitedListener;
 
 /// containerd and peers send a request's head at once; 10 s is generous for a loaded node.
 pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
+/// A request that finds every slot taken waits this long, then gets the listener's busy
+/// answer: containerd goes to its next host rather than wait behind whoever holds the slots.
+pub const SLOT_WAIT: Duration = Duration::from_millis(250);
+/// A response that sends nothing for this long is cut (a reader that stopped, or a source that
+/// did): containerd resumes a cut blob with a Range, elsewhere if need be.
+pub const PROGRESS_DEADLINE: Duration = Duration::from_secs(60);
+/// Refused requests are logged at most this often, with their count.
+const REFUSED_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Connections closed at once when the listener is full (see `evict_longest_idle`).
 const EVICT_BATCH: usize = 64;
+/// While the listener stays full, how often idle connections are evicted again.
+const EVICT_AGAIN: Duration = Duration::from_millis(100);
 /// hyper's write queue per connection (default about 400 KiB): a reader that stops reading
 /// holds at most one more body chunk in memory, not two.
 const WRITE_QUEUE_BYTES: usize = 64 * 1024;
@@ -37,31 +48,47 @@ pub struct Bounds {
     pub head_deadline: Duration,
     /// Requests answered at once, bodies included; more wait for a slot.
     pub in_flight: usize,
+    pub slot_wait: Duration,
+    pub progress_deadline: Duration,
+    /// The answer to a request that got no slot in time.
+    pub busy: StatusCode,
 }
 
 /// Accepts until `stop`, then returns once open connections have finished their requests.
 pub async fn serve(
     mut listener: LimitedListener,
+    name: &'static str,
     router: axum::Router,
     bounds: Bounds,
     stop: CancellationToken,
 ) {
-    let mut builder = Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
         .timer(TokioTimer::new())
         .header_read_timeout(bounds.head_deadline)
         .max_buf_size(WRITE_QUEUE_BYTES);
-    let graceful = GracefulShutdown::new();
+    let tasks = TaskTracker::new();
     let table = Arc::new(Connections::default());
-    let in_flight = Arc::new(Semaphore::new(bounds.in_flight));
+    let slots = Arc::new(Slots {
+        free: Arc::new(Semaphore::new(bounds.in_flight)),
+        bounds,
+        refused: Refused::new(name),
+    });
     loop {
-        if listener.is_full() {
-            table.evict_longest_idle();
-        }
-        let (stream, remote) = tokio::select! {
-            _ = stop.cancelled() => break,
-            accepted = listener.accept() => accepted,
+        // At the limit, evict again while waiting: connections busy at one eviction (waiting
+        // for a slot, say) are idle a moment later.
+        let accepted = loop {
+            if listener.is_full() {
+                table.evict_longest_idle();
+            }
+            tokio::select! {
+                _ = stop.cancelled() => break None,
+                accepted = listener.accept() => break Some(accepted),
+                () = tokio::time::sleep(EVICT_AGAIN), if listener.is_full() => {}
+            }
+        };
+        let Some((stream, remote)) = accepted else {
+            break;
         };
         let conn_state = table.register();
         let addrs = ConnAddrs {
@@ -69,33 +96,84 @@ pub async fn serve(
             local: stream.local_addr().ok(),
         };
         let service = {
-            let (router, conn, in_flight) = (router.clone(), conn_state.clone(), in_flight.clone());
+            let (router, conn, slots) = (router.clone(), conn_state.clone(), slots.clone());
             TowerToHyperService::new(tower::service_fn(move |mut req: hyper::Request<_>| {
                 // Who asks, for handlers that answer this host only (`/status`).
                 req.extensions_mut().insert(addrs);
-                answer(req, router.clone(), conn.clone(), in_flight.clone())
+                answer(req, router.clone(), conn.clone(), slots.clone())
             }))
         };
-        let conn = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let conn = graceful.watch(conn);
-        let (table, deadline) = (table.clone(), bounds.head_deadline);
-        tokio::spawn(async move {
-            tokio::select! {
-                ended = conn => if let Err(e) = ended {
-                    tracing::trace!(error = %e, "connection ended with an error");
-                },
+        let conn = http1
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades();
+        let (table, stop) = (table.clone(), stop.clone());
+        tasks.spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            let watch = conn_state.watch(bounds.head_deadline, bounds.progress_deadline);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => Some(ended),
                 // Dropping the connection closes its socket.
-                () = conn_state.idle_too_long(deadline) => {
-                    tracing::trace!("closed a connection that sent no request in time");
+                reason = watch => {
+                    tracing::trace!(reason, "closed a connection");
+                    None
                 }
+                () = stop.cancelled() => {
+                    // Idle keep-alive connections close now; a request in flight finishes.
+                    conn.as_mut().graceful_shutdown();
+                    let watch = conn_state.watch(bounds.head_deadline, bounds.progress_deadline);
+                    tokio::select! {
+                        ended = conn.as_mut() => Some(ended),
+                        _ = watch => None,
+                    }
+                }
+            };
+            if let Some(Err(e)) = ended {
+                tracing::trace!(error = %e, "connection ended with an error");
             }
             table.remove(&conn_state);
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// A listener's request slots, and what happens without one.
+struct Slots {
+    free: Arc<Semaphore>,
+    bounds: Bounds,
+    refused: Refused,
+}
+
+/// Counts requests refused for want of a slot, and says so in the log now and then.
+struct Refused {
+    listener: &'static str,
+    since_logged: AtomicU64,
+    logged_at: Mutex<Option<Instant>>,
+}
+
+impl Refused {
+    fn new(listener: &'static str) -> Refused {
+        Refused {
+            listener,
+            since_logged: AtomicU64::new(0),
+            logged_at: Mutex::new(None),
+        }
+    }
+
+    fn note(&self) {
+        let count = self.since_logged.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut at = self.logged_at.lock().unwrap_or_else(|e| e.into_inner());
+        if at.is_none_or(|t| t.elapsed() >= REFUSED_LOG_EVERY) {
+            *at = Some(Instant::now());
+            self.since_logged.fetch_sub(count, Ordering::Relaxed);
+            tracing::warn!(
+                listener = self.listener,
+                refused = count,
+                "every request slot is taken: requests answered at once so that clients go elsewhere"
+            );
+        }
+    }
 }
 
 /// The listener's open connections, for eviction at the limit.
@@ -112,7 +190,9 @@ impl Connections {
             id,
             busy: AtomicUsize::new(0),
             idle_since: Mutex::new(Instant::now()),
+            moved_at: Mutex::new(Instant::now()),
             evict: Notify::new(),
+            began: Notify::new(),
         });
         self.lock().insert(id, state.clone());
         state
@@ -151,7 +231,11 @@ struct ConnState {
     id: u64,
     busy: AtomicUsize,
     idle_since: Mutex<Instant>,
+    /// When a response of this connection last sent a frame (or a request began).
+    moved_at: Mutex<Instant>,
     evict: Notify,
+    /// A request began: the watch changes from the head deadline to the progress one.
+    began: Notify,
 }
 
 impl ConnState {
@@ -163,24 +247,40 @@ impl ConnState {
         *self.idle_since.lock().unwrap_or_else(|e| e.into_inner()) = at;
     }
 
-    /// Returns once the connection has been idle for `deadline`, or is evicted while idle.
-    async fn idle_too_long(&self, deadline: Duration) {
+    fn moved(&self) {
+        *self.moved_at.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    fn moved_at(&self) -> Instant {
+        *self.moved_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Returns why the connection should close: idle for `head`, evicted while idle, or
+    /// answering without progress for `progress`.
+    async fn watch(&self, head: Duration, progress: Duration) -> &'static str {
         loop {
             let busy = self.busy.load(Ordering::Acquire) > 0;
-            let wait = if busy {
-                deadline
+            let (since, deadline) = if busy {
+                (self.moved_at(), progress)
             } else {
-                let idle = self.idle_since().elapsed();
-                if idle >= deadline {
-                    return;
-                }
-                deadline - idle
+                (self.idle_since(), head)
+            };
+            let Some(wait) = deadline
+                .checked_sub(since.elapsed())
+                .filter(|w| !w.is_zero())
+            else {
+                return if busy {
+                    "a response made no progress"
+                } else {
+                    "no request in time"
+                };
             };
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
+                () = self.began.notified() => {}
                 () = self.evict.notified() => {
                     if self.busy.load(Ordering::Acquire) == 0 {
-                        return;
+                        return "evicted at the connection limit";
                     }
                 }
             }
@@ -205,12 +305,24 @@ async fn answer(
     req: hyper::Request<hyper::body::Incoming>,
     router: axum::Router,
     conn: Arc<ConnState>,
-    in_flight: Arc<Semaphore>,
+    slots: Arc<Slots>,
 ) -> Result<axum::response::Response, std::convert::Infallible> {
     conn.busy.fetch_add(1, Ordering::AcqRel);
+    conn.moved();
+    conn.began.notify_waiters();
     let mut busy = Busy { conn, _slot: None };
+    let wait = slots.bounds.slot_wait;
     // The semaphore is never closed; without a slot the request is answered anyway.
-    busy._slot = in_flight.acquire_owned().await.ok();
+    match tokio::time::timeout(wait, slots.free.clone().acquire_owned()).await {
+        Ok(slot) => busy._slot = slot.ok(),
+        Err(_) => {
+            slots.refused.note();
+            drop(busy);
+            let mut refused = axum::response::Response::new(Body::empty());
+            *refused.status_mut() = slots.bounds.busy;
+            return Ok(refused);
+        }
+    }
     let response = router.oneshot(req).await?;
     Ok(response.map(|body| Body::new(Tracked { body, _busy: busy })))
 }
@@ -248,7 +360,11 @@ impl hyper::body::Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &polled {
+            self._busy.conn.moved();
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -261,23 +377,4 @@ impl hyper::body::Body for Tracked {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_clients_on_this_host_are_the_same_host() {
-        let addrs = |remote: &str, local: &str| ConnAddrs {
-            remote: remote.parse().unwrap(),
-            local: Some(local.parse().unwrap()),
-        };
-        assert!(addrs("127.0.0.1:4000", "127.0.0.1:5483").same_host());
-        assert!(addrs("[::1]:4000", "[::1]:5483").same_host());
-        assert!(addrs("[::ffff:127.0.0.1]:4000", "[::ffff:127.0.0.1]:5483").same_host());
-        assert!(
-            addrs("10.0.0.5:4000", "10.0.0.5:5483").same_host(),
-            "to its own address"
-        );
-        assert!(!addrs("10.0.0.6:4000", "10.0.0.5:5483").same_host());
-        assert!(!addrs("[fd00::6]:4000", "[fd00::5]:5483").same_host());
-    }
-}
+mod tests;

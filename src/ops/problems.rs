@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 use crate::containerd_config::preflight;
 use crate::metrics::{Metrics, ProblemLabels};
 
+/// The process's own: an open-file limit too low for the connection budgets.
+pub const PROCESS: [&str; 1] = ["open_file_limit"];
+
 /// The problems of the peer network (the containerd config's are `preflight::PROBLEMS`).
 pub const PEER_NETWORK: [&str; 3] = [
     "no_peers",
@@ -35,7 +38,11 @@ impl Problems {
             active: Mutex::new(BTreeMap::new()),
             metrics,
         };
-        for problem in PEER_NETWORK.iter().chain(&preflight::PROBLEMS) {
+        for problem in PEER_NETWORK
+            .iter()
+            .chain(&PROCESS)
+            .chain(&preflight::PROBLEMS)
+        {
             problems.gauge(problem, 0);
         }
         problems

@@ -81,9 +81,7 @@ pub fn switch(
                 return;
             }
         };
-        let parts = match hyper_util::server::conn::auto::upgrade::downcast::<TokioIo<LimitedStream>>(
-            upgraded,
-        ) {
+        let parts = match upgraded.downcast::<TokioIo<LimitedStream>>() {
             Ok(parts) => parts,
             Err(_) => {
                 tracing::warn!("upgraded connection of an unexpected type; blob not sent");

@@ -708,9 +708,27 @@ impl Ferry {
 
     /// Starts `ferry run` for `containerd` (which may be stopped), waits until it listens.
     pub fn start(dir: &Path, containerd: &Containerd, extra: &[&str]) -> Ferry {
+        Self::start_under(dir, containerd, extra, &[])
+    }
+
+    /// As [`Ferry::start`], run by `wrapper` (e.g. `prlimit --nofile=1024:1024 --`).
+    pub fn start_under(
+        dir: &Path,
+        containerd: &Containerd,
+        extra: &[&str],
+        wrapper: &[&str],
+    ) -> Ferry {
         let mirror = free_addr();
         let metrics = free_addr();
-        let cmd = Self::command(dir, containerd, mirror, metrics, extra);
+        let mut cmd = Self::command(dir, containerd, mirror, metrics, extra);
+        if let Some((program, args)) = wrapper.split_first() {
+            let mut wrapped = Command::new(program);
+            wrapped
+                .args(args)
+                .arg(cmd.get_program())
+                .args(cmd.get_args());
+            cmd = wrapped;
+        }
         let proc = Proc::spawn(cmd, dir.join("ferry.log"));
         // The ops address is bound after the mirror and the hosts.toml entries: once it
         // answers, both are in place.
