@@ -62,8 +62,7 @@ fn init_logging(config: &Config) {
 }
 
 fn run(config: Config) -> anyhow::Result<()> {
-    let open_files = ferry::net::budget::raise_open_file_limit();
-    tracing::info!(?open_files, "open-file limit");
+    ferry::net::budget::raise_open_file_limit();
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(ferry::app::run(config, shutdown_signal()))?;
     Ok(())

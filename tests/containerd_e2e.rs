@@ -554,7 +554,7 @@ fn ferry_starts_before_containerd_and_survives_its_restarts() {
     let mut conn = std::net::TcpStream::connect(ferry.mirror).unwrap();
     write!(
         conn,
-        "GET /v2/team/app/blobs/{layer} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET /v2/team/app/blobs/{layer} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
         layer = w_layer
     )
     .unwrap();
@@ -667,7 +667,7 @@ fn a_client_that_never_finishes_its_headers_is_disconnected() {
     let ferry = Ferry::start(w.dir(), &w.node, SINGLE_NODE);
     // Headers that never end (no blank line): a slowloris client holding a connection slot.
     let mut slow = std::net::TcpStream::connect(ferry.mirror).unwrap();
-    slow.write_all(b"GET /v2/ HTTP/1.1\r\nHost: ferry\r\nX-Slow: ")
+    slow.write_all(b"GET /v2/ HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         .unwrap();
     // Far beyond Ferry's header read timeout (10 s): if this read times out, Ferry kept it.
     slow.set_read_timeout(Some(Duration::from_secs(60)))
@@ -695,7 +695,7 @@ fn probe(addr: std::net::SocketAddr, path: &str, within: Duration) -> Result<Str
         .map_err(|e| e.to_string())?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: ferry\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     )
     .map_err(|e| e.to_string())?;
     let mut buf = [0u8; 64];
@@ -725,7 +725,7 @@ fn idle_connections_never_take_every_slot_and_probes_keep_answering() {
 
     // A slow reader: asks for the 48 MiB layer and reads one byte, then nothing for 12 s.
     let mut reader = std::net::TcpStream::connect(ferry.mirror).unwrap();
-    write!(reader, "GET {blob} HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+    write!(reader, "GET {blob} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
     let mut first = [0u8; 1];
     reader.read_exact(&mut first).unwrap();
 
@@ -858,7 +858,7 @@ fn hostile_streams_keep_memory_bounded() {
                     text.windows(9).filter(|w| w == b"HTTP/1.1 ").count()
                 });
                 for i in 0..2500 {
-                    write!(s, "X{c}M{i} /v2/ HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+                    write!(s, "X{c}M{i} /v2/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
                 }
                 answers += counter.join().unwrap();
                 answers
@@ -885,7 +885,7 @@ fn hostile_streams_keep_memory_bounded() {
     let readers: Vec<std::net::TcpStream> = (0..2000)
         .map(|_| {
             let mut s = std::net::TcpStream::connect(ferry.mirror).unwrap();
-            write!(s, "GET {blob} HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+            write!(s, "GET {blob} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
             s
         })
         .collect();
@@ -1058,7 +1058,7 @@ fn hostile_clients_under_1024_open_files_never_stall_a_pull_or_a_probe() {
     }
     for _ in 0..300 {
         let mut s = connect(ferry.mirror);
-        write!(s, "GET {blob} HTTP/1.1\r\nHost: ferry\r\n\r\n").unwrap();
+        write!(s, "GET {blob} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
         held.push(s);
     }
     for _ in 0..50 {
@@ -1127,4 +1127,68 @@ fn hostile_clients_under_1024_open_files_never_stall_a_pull_or_a_probe() {
         !log.contains("Too many open files"),
         "Ferry ran out of descriptors"
     );
+}
+
+/// What another containerd namespace keeps (a build cache, `ctr -n default`) is not the
+/// mirror's to serve: a blob that landed there a moment ago is shared (two namespaces pulling
+/// one image at once), one kept there for long is not, with peer-to-peer and coalescing on.
+#[test]
+fn a_blob_kept_in_another_namespace_is_not_served() {
+    let w = World::new();
+    let secret = w.dir().join("secret");
+    std::fs::write(&secret, "a cluster secret of at least thirty-two bytes").unwrap();
+    let (p2p, peer) = (free_addr().to_string(), free_addr().to_string());
+    let args = [
+        "--advertise-addr",
+        "127.0.0.1",
+        "--p2p-addr",
+        &p2p,
+        "--peer-addr",
+        &peer,
+        "--cluster-secret-file",
+        secret.to_str().unwrap(),
+    ];
+    let ferry = Ferry::start(w.dir(), &w.node, &args);
+    wait_for("ferry /readyz", || ferry.ready());
+    let bytes: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let digest = sha256_hex(&bytes);
+    let mut ingest = std::process::Command::new("ctr")
+        .arg("--address")
+        .arg(&w.node.socket)
+        .args(["-n", "default", "content", "ingest"])
+        .args(["--expected-size", &bytes.len().to_string()])
+        .args(["--expected-digest", &digest])
+        .arg("kept-elsewhere")
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let written = ingest.stdin.take().unwrap().write_all(&bytes);
+    let out = ingest.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        written.is_ok() && out.status.success(),
+        "ctr content ingest: {stderr}"
+    );
+    let url = ferry.url(&format!("/v2/team/app/blobs/{digest}?{}", w.ns()));
+    let fresh = http("GET", &url, &[]);
+    assert_eq!(fresh.status, 200, "landed a moment ago: shared");
+    assert_eq!(fresh.body, bytes);
+    // Kept for a while: make the file as old as a build cache's.
+    let file = w
+        .node
+        .content_dir()
+        .join("blobs/sha256")
+        .join(digest.trim_start_matches("sha256:"));
+    let touched = std::process::Command::new("touch")
+        .args(["-d", "10 minutes ago"])
+        .arg(&file)
+        .status()
+        .unwrap();
+    assert!(touched.success());
+    // Twice: the second finds this node leading the digest, and must not read it either.
+    for _ in 0..2 {
+        let kept = http("GET", &url, &[]);
+        assert_eq!(kept.status, 404, "another namespace's blob served");
+    }
 }

@@ -723,3 +723,75 @@ async fn a_peer_serving_wrong_bytes_is_quarantined_and_ferry_status_says_so() {
         n.stop().await;
     }
 }
+
+/// A peer that answers every request with `body` under `content_type` (and its digest).
+async fn typed_peer(body: Bytes, content_type: &'static str) -> SocketAddr {
+    let listener = bind().await;
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = conn.read(&mut buf).await;
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: {content_type}\r\ndocker-content-digest: {}\r\nconnection: close\r\n\r\n",
+                    body.len(),
+                    sha(&body)
+                );
+                let _ = conn.write_all(head.as_bytes()).await;
+                let _ = conn.write_all(&body).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The right bytes of a manifest under a wrong (known) type would fail every pull that asked
+/// that peer first: the type comes from the verified bytes, and the peer is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_under_a_wrong_type_is_caught_and_its_peer_charged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let store_good = Arc::new(MemoryStore::new());
+    let (layer, _) = image(&store_good);
+    // The image's own manifest, as `image` writes it.
+    let manifest = Bytes::from(format!(
+        r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","config":{{"digest":"{layer}"}},"layers":[{{"digest":"{layer}"}}]}}"#
+    ));
+    let digest = sha(&manifest);
+    let good = run_node(&tmp.path().join("good"), store_good, |http| {
+        memory_peering(&network, "b-good", http)
+    })
+    .await;
+    let liar = typed_peer(manifest.clone(), ferry::oci::manifest::OCI_INDEX).await;
+    for (id, addr) in [("a-liar", liar), ("b-good", good.peer)] {
+        advertise(&network, id, addr, &digest).await;
+    }
+    let asker = run_node(
+        &tmp.path().join("asker"),
+        Arc::new(MemoryStore::new()),
+        |http| memory_peering(&network, "c-asker", http),
+    )
+    .await;
+    let url = format!(
+        "http://{}/v2/team/app/manifests/{digest}?ns=registry.test",
+        asker.mirror
+    );
+    let (status, body, headers) = get(&url, None).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, manifest.to_vec());
+    assert_eq!(
+        headers["content-type"], OCI_MANIFEST,
+        "the type the bytes have"
+    );
+    assert_eq!(
+        metric(asker.ops, "ferry_peer_failures_total{stage=\"verify\"}").await,
+        1,
+        "the liar is charged"
+    );
+    for n in [good, asker] {
+        n.stop().await;
+    }
+}

@@ -59,7 +59,11 @@ pub enum AppError {
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), AppError> {
     let started = Instant::now();
     let secret = match &config.cluster_secret_file {
-        Some(path) => Some(ClusterSecret::load(path)?),
+        Some(path) => {
+            let secret = ClusterSecret::load(path)?;
+            warn_if_shared(path);
+            Some(secret)
+        }
         None => None,
     };
     let mirror = bind(config.mirror_addr)?;
@@ -138,6 +142,7 @@ pub async fn serve(
     };
     hosts::check_containerd_config(&config, &node.problems);
     let budgets = Budgets::for_this_process();
+    tracing::info!(open_files = budgets.open_files, "open-file limit");
     if let Some(detail) = budgets.shortfall() {
         node.problems.set("open_file_limit", detail);
     }
@@ -228,4 +233,18 @@ pub async fn serve(
         node.token.clone(),
     ));
     node.drain(shutdown).await;
+}
+
+/// The secret file should be Ferry's alone (the chart mounts it 0400): anyone who reads it
+/// joins the peer network and reads what every node shares.
+fn warn_if_shared(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).map_or(0, |m| m.permissions().mode() & 0o777);
+    if mode & 0o077 != 0 {
+        tracing::warn!(
+            path = %path.display(),
+            mode = format!("{mode:o}"),
+            "the cluster secret file is readable by other users: chmod 0600 it"
+        );
+    }
 }

@@ -33,6 +33,10 @@ pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
 const WINDOW_KEPT: Duration = Duration::from_secs(30);
 /// A window that received nothing this long belongs to a transfer that ended elsewhere.
 const WINDOW_STALE: Duration = Duration::from_secs(120);
+/// Digests this node takes part in at once, at most: misses of random digests would otherwise
+/// grow the table without end; past it, the oldest part without followers goes.
+const MAX_PARTS: usize = 4_096;
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// A claim that failed this fast was refused, not slow: worth asking the next coordinator.
 const REFUSED_WITHIN: Duration = Duration::from_millis(200);
 /// Downloads on this node written longer ago than this were left by failed ones: not shared.
@@ -94,6 +98,8 @@ pub struct Coalescer {
     metrics: Arc<Metrics>,
     leases: Leases,
     parts: Mutex<HashMap<Digest, Part>>,
+    /// When `parts` was last swept of expired parts and spent windows.
+    swept: Mutex<Instant>,
     claims: Arc<dyn ClaimSender>,
     transfers: Arc<Transfers>,
 }
@@ -134,6 +140,7 @@ impl Coalescer {
             metrics,
             leases: Leases::new(relay_fanout),
             parts: Mutex::new(HashMap::new()),
+            swept: Mutex::new(Instant::now()),
             claims,
             transfers: Arc::default(),
         }
@@ -183,6 +190,17 @@ impl Coalescer {
         };
         if let Some(role) = role {
             let mut parts = self.lock_parts();
+            self.sweep(&mut parts);
+            if parts.len() >= MAX_PARTS && !parts.contains_key(digest) {
+                let oldest = parts
+                    .iter()
+                    .filter(|(_, p)| p.followers.is_empty())
+                    .min_by_key(|(_, p)| p.since)
+                    .map(|(d, _)| d.clone());
+                if let Some(oldest) = oldest {
+                    parts.remove(&oldest);
+                }
+            }
             let part = parts.entry(digest.clone()).or_insert_with(|| Part {
                 role: role.clone(),
                 leader: None,
@@ -252,8 +270,9 @@ impl Coalescer {
         let store = self.store.as_ref();
         if transfer.first && !self.leads(digest) {
             // Another namespace of this node's containerd may have committed it a moment
-            // ago (Ferry's store lists one): read that file rather than fetch it again.
-            let landed = if store.landed(digest).await.is_some() {
+            // ago (Ferry's store lists one): read that file rather than fetch it again. Only
+            // then: what another namespace has kept is not the mirror's to serve.
+            let landed = if store.landed_within(digest, SHARE_FRESH).await {
                 self.count("local", "committed");
                 Landing::Committed
             } else {
@@ -266,7 +285,7 @@ impl Coalescer {
         // A single download is the requester's own (containerd opens its writer before
         // it asks): nothing else to read, unless the other one has just landed.
         if candidates.len() < 2 {
-            let landed = if store.landed(digest).await.is_some() {
+            let landed = if store.landed_within(digest, SHARE_FRESH).await {
                 Landing::Committed
             } else {
                 Landing::Nothing
@@ -308,6 +327,22 @@ impl Coalescer {
     /// This node's role in `digest`'s download now (then its peer address serves it).
     pub fn role(&self, digest: &Digest) -> Option<Role> {
         let mut parts = self.lock_parts();
+        self.sweep(&mut parts);
+        let part = parts.get(digest)?;
+        let live = part.since.elapsed() < LEASE || !part.followers.is_empty();
+        live.then(|| part.role.clone())
+    }
+
+    /// Drops expired parts and spent relay windows, at most every [`SWEEP_EVERY`]: a sweep
+    /// walks every part, and misses may come by the thousand.
+    fn sweep(&self, parts: &mut HashMap<Digest, Part>) {
+        {
+            let mut swept = self.swept.lock().unwrap_or_else(|e| e.into_inner());
+            if swept.elapsed() < SWEEP_EVERY {
+                return;
+            }
+            *swept = Instant::now();
+        }
         parts.retain(|_, p| p.since.elapsed() < LEASE || !p.followers.is_empty());
         for part in parts.values_mut() {
             if part
@@ -318,7 +353,6 @@ impl Coalescer {
                 part.received = None;
             }
         }
-        parts.get(digest).map(|p| p.role.clone())
     }
 
     /// `response`, teed for this node's own followers.

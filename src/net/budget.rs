@@ -152,9 +152,8 @@ pub fn open_file_limit() -> rustix::process::Rlimit {
 }
 
 /// Raises the soft open-file limit to the hard one, as Go programs and containerd do: the
-/// soft default (1,024) predates servers holding thousands of connections. Returns the limit
-/// now in force.
-pub fn raise_open_file_limit() -> Option<u64> {
+/// soft default (1,024) predates servers holding thousands of connections.
+pub fn raise_open_file_limit() {
     let limit = open_file_limit();
     if limit.current != limit.maximum {
         let raised = rustix::process::Rlimit {
@@ -165,7 +164,6 @@ pub fn raise_open_file_limit() -> Option<u64> {
             tracing::warn!(error = %e, "cannot raise the open-file limit to the hard limit");
         }
     }
-    open_file_limit().current
 }
 
 #[cfg(test)]

@@ -3,8 +3,10 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -113,11 +115,48 @@ impl AsyncWrite for LimitedStream {
     }
 }
 
+/// Lets one of many like events into the log at most every `every`, with how many there were:
+/// whoever sends refused requests by the thousand must not fill the disk.
+#[derive(Debug)]
+pub(crate) struct LogEvery {
+    every: Duration,
+    since: AtomicU64,
+    logged_at: Mutex<Option<Instant>>,
+}
+
+impl LogEvery {
+    pub(crate) const fn new(every: Duration) -> LogEvery {
+        LogEvery {
+            every,
+            since: AtomicU64::new(0),
+            logged_at: Mutex::new(None),
+        }
+    }
+
+    /// `Some(count)` when this event is to be logged: the events since the last logged one,
+    /// this one included.
+    pub(crate) fn tick(&self) -> Option<u64> {
+        self.since.fetch_add(1, Ordering::Relaxed);
+        let mut at = self.logged_at.lock().unwrap_or_else(|e| e.into_inner());
+        if at.is_some_and(|t| t.elapsed() < self.every) {
+            return None;
+        }
+        *at = Some(Instant::now());
+        Some(self.since.swap(0, Ordering::Relaxed))
+    }
+}
+
+/// At most `chars` characters of `text`, for logs.
+pub(crate) fn shortened(text: &str, chars: usize) -> &str {
+    text.char_indices()
+        .nth(chars)
+        .map_or(text, |(i, _)| &text[..i])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use axum::serve::Listener;
-    use std::time::Duration;
 
     #[tokio::test]
     async fn a_connection_beyond_the_limit_waits_until_one_closes() {
@@ -135,5 +174,20 @@ mod tests {
         drop(first);
         let second = tokio::time::timeout(Duration::from_secs(5), listener.accept()).await;
         assert!(second.is_ok(), "a closed connection frees its slot");
+    }
+
+    #[test]
+    fn one_event_is_logged_then_the_rest_are_counted() {
+        let log = LogEvery::new(Duration::from_secs(3600));
+        assert_eq!(log.tick(), Some(1));
+        for _ in 0..5 {
+            assert_eq!(log.tick(), None);
+        }
+        let now = LogEvery::new(Duration::ZERO);
+        assert_eq!(now.tick(), Some(1));
+        assert_eq!(now.tick(), Some(1));
+        assert_eq!(shortened("abcdef", 3), "abc");
+        assert_eq!(shortened("ab", 3), "ab");
+        assert_eq!(shortened("ééé", 2), "éé");
     }
 }

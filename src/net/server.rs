@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
-use crate::net::limits::LimitedListener;
+use crate::net::limits::{LimitedListener, LogEvery};
 
 /// containerd and peers send a request's head at once; 10 s is generous for a loaded node.
 pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
@@ -145,31 +145,25 @@ struct Slots {
     refused: Refused,
 }
 
-/// Counts requests refused for want of a slot, and says so in the log now and then.
+/// Requests refused for want of a slot, logged now and then with their count.
 struct Refused {
     listener: &'static str,
-    since_logged: AtomicU64,
-    logged_at: Mutex<Option<Instant>>,
+    log: LogEvery,
 }
 
 impl Refused {
     fn new(listener: &'static str) -> Refused {
         Refused {
             listener,
-            since_logged: AtomicU64::new(0),
-            logged_at: Mutex::new(None),
+            log: LogEvery::new(REFUSED_LOG_EVERY),
         }
     }
 
     fn note(&self) {
-        let count = self.since_logged.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut at = self.logged_at.lock().unwrap_or_else(|e| e.into_inner());
-        if at.is_none_or(|t| t.elapsed() >= REFUSED_LOG_EVERY) {
-            *at = Some(Instant::now());
-            self.since_logged.fetch_sub(count, Ordering::Relaxed);
+        if let Some(refused) = self.log.tick() {
             tracing::warn!(
                 listener = self.listener,
-                refused = count,
+                refused,
                 "every request slot is taken: requests answered at once so that clients go elsewhere"
             );
         }
@@ -307,6 +301,11 @@ async fn answer(
     conn: Arc<ConnState>,
     slots: Arc<Slots>,
 ) -> Result<axum::response::Response, std::convert::Infallible> {
+    if !host_fits(&req) {
+        let mut refused = axum::response::Response::new(Body::empty());
+        *refused.status_mut() = StatusCode::MISDIRECTED_REQUEST;
+        return Ok(refused);
+    }
     conn.busy.fetch_add(1, Ordering::AcqRel);
     conn.moved();
     conn.began.notify_waiters();
@@ -325,6 +324,31 @@ async fn answer(
     }
     let response = router.oneshot(req).await?;
     Ok(response.map(|body| Body::new(Tracked { body, _busy: busy })))
+}
+
+/// A request that reached a loopback address names a loopback host (an IP address or
+/// `localhost`): a web page whose name was rebound to 127.0.0.1 (DNS rebinding) sends its own
+/// name, and must not read the mirror or `/status`.
+fn host_fits<B>(req: &hyper::Request<B>) -> bool {
+    let to_loopback = req
+        .extensions()
+        .get::<ConnAddrs>()
+        .and_then(|a| a.local)
+        .is_some_and(|l| l.ip().to_canonical().is_loopback());
+    let Some(host) = req.headers().get(axum::http::header::HOST) else {
+        return true;
+    };
+    if !to_loopback {
+        return true;
+    }
+    let Ok(host) = host.to_str() else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok()
 }
 
 /// Both ends of a request's connection, in its extensions.

@@ -2,6 +2,7 @@
 //! Invariant: anything that is not a manifest is refused, so a layer is never served as one.
 
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
@@ -23,9 +24,11 @@ struct Probe {
     media_type: Option<String>,
     #[serde(rename = "schemaVersion")]
     schema_version: Option<u32>,
-    manifests: Option<serde_json::Value>,
-    config: Option<serde_json::Value>,
-    layers: Option<serde_json::Value>,
+    // Only whether they are there: crafted JSON (millions of tiny values) must not become a
+    // tree in memory for each request.
+    manifests: Option<IgnoredAny>,
+    config: Option<IgnoredAny>,
+    layers: Option<IgnoredAny>,
 }
 
 /// The media type of a manifest or index, or `None` when the bytes are not one.

@@ -4,6 +4,7 @@
 //! Invariant: nothing is asked of other nodes from here, so a request travels one hop at most.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use std::collections::HashMap;
 
@@ -27,6 +28,7 @@ use super::{ApiError, Source};
 use crate::coalesce::relay::Relayed;
 use crate::coalesce::{Coalescer, Role};
 use crate::metrics::{Metrics, ReasonLabels};
+use crate::net::limits::{self, LogEvery};
 use crate::net::pace::{self, Pace};
 use crate::oci::Digest;
 use crate::oci::registry::Registries;
@@ -287,6 +289,9 @@ async fn authorized(State(api): State<Arc<PeerApi>>, request: Request, next: Nex
     }
 }
 
+/// Refused requests are logged at most this often: anyone who reaches the port can send them.
+static REFUSED_LOG: LogEvery = LogEvery::new(Duration::from_secs(10));
+
 fn authorize(
     state: &PeerApiState,
     method: &Method,
@@ -299,7 +304,10 @@ fn authorize(
     let token = headers.get(TOKEN_HEADER).and_then(|v| v.to_str().ok());
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     token::verify(secret, method.as_str(), path, token).map_err(|e| {
-        tracing::warn!(reason = e.reason(), %method, path, "peer request refused");
+        if let Some(refused) = REFUSED_LOG.tick() {
+            let path = limits::shortened(path, 200);
+            tracing::warn!(reason = e.reason(), %method, path, refused, "peer requests refused (the last one shown; logged at most every 10 s)");
+        }
         state
             .metrics
             .peer_auth_failures

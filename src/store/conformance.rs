@@ -138,6 +138,7 @@ pub async fn check_downloads(store: &dyn ContentStore, driver: &dyn DownloadDriv
     let any = Scope::AnyFresh(Duration::from_secs(60));
     assert!(store.downloads(&absent, any).await.is_empty());
     assert_eq!(store.landed(&absent).await, None, "nothing landed");
+    assert!(!store.landed_within(&absent, Duration::from_secs(60)).await);
     assert!(matches!(
         store.open_landed(&absent, 0).await,
         Err(StoreError::NotFound)
@@ -187,6 +188,14 @@ pub async fn check_downloads(store: &dyn ContentStore, driver: &dyn DownloadDriv
         );
         tokio::time::sleep(downloads::POLL).await;
     }
+    assert!(
+        store.landed_within(&digest, SETTLE).await,
+        "a download committed a moment ago landed within the freshness"
+    );
+    assert!(
+        !store.landed_within(&digest, Duration::ZERO).await,
+        "nothing landed within no time"
+    );
     let (stream, size) = store.open_landed(&digest, 10).await.expect("opens");
     assert_eq!(size, total);
     assert_eq!(collect(stream).await.expect("reads"), bytes[10..]);

@@ -46,6 +46,8 @@ struct Inner {
     downloads: Vec<Arc<MemoryDownload>>,
     /// Blobs committed by downloads in another namespace: landed, not listed here.
     landed_elsewhere: HashMap<Digest, Bytes>,
+    /// When each blob landed.
+    landed_at: HashMap<Digest, Instant>,
 }
 
 /// Small, so that tests exercise multi-chunk streams.
@@ -84,7 +86,9 @@ impl MemoryStore {
                 .and_then(|()| std::fs::rename(&partial, dir.join(digest.hex())))
                 .unwrap_or_else(|e| panic!("memory store's file of {digest}: {e}"));
         }
-        self.write().blobs.insert(digest.clone(), data);
+        let mut inner = self.write();
+        inner.blobs.insert(digest.clone(), data);
+        inner.landed_at.insert(digest.clone(), Instant::now());
     }
 
     /// Names an image: `<registry>/<repo>:<tag>` points at `manifest` of `media_type`.
@@ -228,6 +232,7 @@ impl DownloadWriter {
         } else {
             store.landed_elsewhere.insert(d.digest.clone(), data);
         }
+        store.landed_at.insert(d.digest.clone(), Instant::now());
     }
 
     pub fn abort(&self) {
@@ -352,6 +357,14 @@ impl ContentStore for MemoryStore {
 
     async fn landed(&self, digest: &Digest) -> Option<u64> {
         self.landed_bytes(digest).map(|b| b.len() as u64)
+    }
+
+    async fn landed_within(&self, digest: &Digest, within: Duration) -> bool {
+        let inner = self.read();
+        inner
+            .landed_at
+            .get(digest)
+            .is_some_and(|t| t.elapsed() < within)
     }
 
     async fn open_landed(

@@ -12,6 +12,7 @@ pub(crate) mod downloads;
 pub mod memory;
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
@@ -96,6 +97,10 @@ pub trait ContentStore: Send + Sync + 'static {
     /// The size of `digest` if committed in any namespace; a blob just committed may not be
     /// recorded yet, or ever in this namespace.
     async fn landed(&self, digest: &Digest) -> Option<u64>;
+
+    /// Whether `digest` landed (in any namespace) within `within`: only a blob just landed is
+    /// shared across namespaces, never one another namespace has kept for long.
+    async fn landed_within(&self, digest: &Digest, within: Duration) -> bool;
 
     /// A landed blob's bytes from `offset` to its end, and its size.
     async fn open_landed(

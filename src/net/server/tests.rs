@@ -58,7 +58,7 @@ fn router() -> axum::Router {
 async fn get(addr: std::net::SocketAddr, path: &str) -> (tokio::net::TcpStream, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
     s.write_all(request.as_bytes()).await.unwrap();
     let mut buf = vec![0u8; 4096];
     let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
@@ -125,5 +125,26 @@ async fn http2_is_not_spoken() {
         "{:?}",
         String::from_utf8_lossy(&answer)
     );
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_page_rebound_to_loopback_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (addr, stop) = serving(router(), bounds(4, Duration::from_secs(600))).await;
+    for (host, status) in [
+        ("evil.example:5480", "HTTP/1.1 421"),
+        ("localhost:5480", "HTTP/1.1 200"),
+        ("127.0.0.1", "HTTP/1.1 200"),
+        ("[::1]:5480", "HTTP/1.1 200"),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET /ok HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await.unwrap();
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with(status), "{host}: {text}");
+    }
     stop.cancel();
 }

@@ -208,8 +208,9 @@ impl PeerFetcher {
             };
             let status = response.status();
             if status == StatusCode::RANGE_NOT_SATISFIABLE {
-                // The peer has the blob; the range is wrong for everyone.
-                return built(forward_headers(&response, Body::empty()));
+                // Not final on one peer's word (it may lie): the next provider, else the 404
+                // that sends containerd to the registry, which answers the range for sure.
+                continue;
             }
             if status != StatusCode::OK && status != StatusCode::PARTIAL_CONTENT {
                 if status != StatusCode::NOT_FOUND {
@@ -399,10 +400,18 @@ impl PeerFetcher {
         if !digest.matches(&bytes) {
             return Err(PeerFailure::Verify(digest.to_string()));
         }
-        let media_type = declared
-            .filter(|t| is_manifest_media_type(t))
-            .or_else(|| sniff_media_type(&bytes).map(str::to_string))
-            .ok_or(PeerFailure::Verify("not a manifest".into()))?;
+        // The bytes are verified, the declared type is not: a right manifest under a wrong
+        // type would fail every pull that asked this peer first.
+        let media_type =
+            sniff_media_type(&bytes).ok_or(PeerFailure::Verify("not a manifest".into()))?;
+        if let Some(declared) = declared.filter(|t| is_manifest_media_type(t))
+            && declared != media_type
+        {
+            return Err(PeerFailure::Verify(format!(
+                "declared {declared}, the bytes are {media_type}"
+            )));
+        }
+        let media_type = media_type.to_string();
         Ok((media_type, digest, bytes))
     }
 

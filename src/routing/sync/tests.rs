@@ -236,6 +236,9 @@ impl ContentStore for Counting {
     async fn landed(&self, digest: &Digest) -> Option<u64> {
         self.inner.landed(digest).await
     }
+    async fn landed_within(&self, digest: &Digest, within: std::time::Duration) -> bool {
+        self.inner.landed_within(digest, within).await
+    }
     async fn open_landed(
         &self,
         digest: &Digest,

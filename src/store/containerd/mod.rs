@@ -186,6 +186,13 @@ impl ContentStore for ContainerdStore {
         tokio::fs::metadata(path).await.ok().map(|m| m.len())
     }
 
+    async fn landed_within(&self, digest: &Digest, within: Duration) -> bool {
+        // containerd renames the finished download into place: its last write is the landing.
+        let path = files::blob_path(&self.content_dir, digest);
+        let modified = tokio::fs::metadata(path).await.and_then(|m| m.modified());
+        modified.is_ok_and(|t| t.elapsed().is_ok_and(|age| age < within))
+    }
+
     async fn open_landed(
         &self,
         digest: &Digest,
