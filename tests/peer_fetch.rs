@@ -795,3 +795,114 @@ async fn a_manifest_under_a_wrong_type_is_caught_and_its_peer_charged() {
         n.stop().await;
     }
 }
+
+/// A Range no peer can answer (several ranges, or malformed) is left to the registry at once:
+/// a 404, no provider asked or charged. A single range is answered from the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_no_peer_can_answer_goes_to_the_registry_without_charging_peers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let store_good = Arc::new(MemoryStore::new());
+    let (layer, bytes) = image(&store_good);
+    let good = run_node(&tmp.path().join("good"), store_good, |http| {
+        memory_peering(&network, "b-good", http)
+    })
+    .await;
+    advertise(&network, "b-good", good.peer, &layer).await;
+    let asker = run_node(
+        &tmp.path().join("asker"),
+        Arc::new(MemoryStore::new()),
+        |http| memory_peering(&network, "c-asker", http),
+    )
+    .await;
+    let url = format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror);
+    for bad in ["bytes=0-1,5-9", "bytes=x-y", "items=0-9"] {
+        let (status, _, _) = get(&url, Some(bad)).await;
+        assert_eq!(status, 404, "{bad}");
+    }
+    let (status, body, _) = get(&url, Some("bytes=10-19")).await;
+    assert_eq!(status, 206);
+    assert_eq!(body, bytes[10..20].to_vec());
+    for stage in ["status", "body", "connect"] {
+        let series = format!("ferry_peer_failures_total{{stage=\"{stage}\"}}");
+        assert_eq!(metric(asker.ops, &series).await, 0, "{stage}");
+    }
+    for n in [good, asker] {
+        n.stop().await;
+    }
+}
+
+/// A peer that sends the headers of every blob, then one byte every 100 ms: never silent long
+/// enough for the idle timeout.
+async fn dripping_peer(full: Bytes) -> SocketAddr {
+    let listener = bind().await;
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let full = full.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = conn.read(&mut buf).await;
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: application/octet-stream\r\n\r\n",
+                    full.len()
+                );
+                let _ = conn.write_all(head.as_bytes()).await;
+                for byte in full.iter() {
+                    if conn.write_all(&[*byte]).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A peer that drips its body (a byte every 100 ms, never silent for the idle timeout) is given
+/// up after a window of twice the idle timeout and charged; the next provider serves the blob,
+/// verified whole or streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dripping_peer_is_given_up_and_the_next_provider_serves() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let store_good = Arc::new(MemoryStore::new());
+    let (layer, bytes) = image(&store_good);
+    let good = run_node(&tmp.path().join("good"), store_good, |http| {
+        memory_peering(&network, "b-good", http)
+    })
+    .await;
+    let drip = dripping_peer(bytes.clone()).await;
+    for (id, addr) in [("a-drip", drip), ("b-good", good.peer)] {
+        advertise(&network, id, addr, &layer).await;
+    }
+    for (limit, path) in [(4 << 20, "verified whole"), (1 << 20, "streamed")] {
+        let asker = run_node(
+            &tmp.path().join(format!("asker-{limit}")),
+            Arc::new(MemoryStore::new()),
+            |http| {
+                let mut peering = memory_peering_verifying(&network, "c-asker", http, limit);
+                if let Peering::Given { fetch, .. } = &mut peering {
+                    fetch.idle_timeout = Duration::from_millis(500);
+                }
+                peering
+            },
+        )
+        .await;
+        let (status, body, _) = get(
+            &format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror),
+            None,
+        )
+        .await;
+        assert_eq!(status, 200, "{path}");
+        assert_eq!(sha(&body), layer, "{path}: the good provider's bytes");
+        assert!(
+            metric(asker.ops, "ferry_peer_failures_total{stage=\"body\"}").await >= 1,
+            "{path}: the dripping peer is charged"
+        );
+        asker.stop().await;
+    }
+    good.stop().await;
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{HeaderMap, header};
 use axum::middleware;
 use axum::response::Response;
 
@@ -275,6 +275,15 @@ async fn by_digest(
         Err(ApiError::ManifestUnknown | ApiError::BlobUnknown) => {}
         Err(other) => return Err(other),
     }
+    if !forwardable_range(&req.headers) {
+        // Malformed, or several ranges: no peer would answer it (and each would be charged for
+        // refusing); the registry does.
+        remember(state, req, what(), kind.label(), Source::Miss, None);
+        return Err(match kind {
+            Kind::Blob => ApiError::BlobUnknown,
+            Kind::Manifest => ApiError::ManifestUnknown,
+        });
+    }
     let mut transfer = None;
     if let (Some(coalesce), false) = (coalescing(state, req, name), req.head) {
         let (mine, shared) = coalesce.share_local(digest).await;
@@ -321,6 +330,14 @@ async fn by_digest(
             Err(e)
         }
     }
+}
+
+/// No Range, or one single range a peer can answer.
+fn forwardable_range(headers: &HeaderMap) -> bool {
+    headers.get(header::RANGE).is_none_or(|v| {
+        v.to_str()
+            .is_ok_and(|v| crate::oci::range::parse(v, u64::MAX).is_ok())
+    })
 }
 
 async fn local(

@@ -17,6 +17,7 @@ use futures::{Stream, StreamExt};
 
 use super::client::{PeerCall, PeerClient};
 use super::failure::PeerFailure;
+use super::floor::Floor;
 use super::health::PeerHealth;
 use super::response::PeerResponse;
 use crate::metrics::Metrics;
@@ -168,6 +169,7 @@ pub(super) struct ResumingBody {
     sent: u64,
     /// Only for whole blobs: a range cannot be checked against the blob's digest.
     hasher: Option<Hasher>,
+    floor: Floor,
 }
 
 impl ResumingBody {
@@ -179,6 +181,7 @@ impl ResumingBody {
         resumer: Resume,
     ) -> Self {
         let hasher = (!fetch.partial).then(|| fetch.digest.hasher());
+        let floor = Floor::new(resumer.client.idle);
         ResumingBody {
             fetch,
             peer,
@@ -187,6 +190,7 @@ impl ResumingBody {
             resumer,
             sent: 0,
             hasher,
+            floor,
         }
     }
 
@@ -206,35 +210,39 @@ impl ResumingBody {
             if self.sent == self.fetch.len {
                 return self.finish().map(|()| None);
             }
-            let failure =
-                match tokio::time::timeout(self.resumer.client.idle, self.current.next()).await {
-                    Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
-                    Ok(Some(Ok(chunk))) => {
-                        // Never more than was announced, whatever a peer sends.
-                        let room = (self.fetch.len - self.sent) as usize;
-                        let chunk = if chunk.len() > room {
-                            chunk.slice(..room)
-                        } else {
-                            chunk
-                        };
-                        self.sent += chunk.len() as u64;
-                        if let Some(h) = self.hasher.as_mut() {
-                            h.update(&chunk);
-                        }
-                        // The last chunk waits for the digest: once every announced
-                        // byte is sent, a reset comes too late.
-                        if self.sent == self.fetch.len {
-                            self.finish()?;
-                        }
-                        return Ok(Some(chunk));
+            let failure = match tokio::time::timeout(self.resumer.client.idle, self.current.next())
+                .await
+            {
+                Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
+                // Dropped: the next provider resumes from what was sent.
+                Ok(Some(Ok(chunk))) if !self.floor.keeps_up(chunk.len()) => "too slow".to_string(),
+                Ok(Some(Ok(chunk))) => {
+                    // Never more than was announced, whatever a peer sends.
+                    let room = (self.fetch.len - self.sent) as usize;
+                    let chunk = if chunk.len() > room {
+                        chunk.slice(..room)
+                    } else {
+                        chunk
+                    };
+                    self.sent += chunk.len() as u64;
+                    if let Some(h) = self.hasher.as_mut() {
+                        h.update(&chunk);
                     }
-                    Ok(Some(Err(e))) => e.to_string(),
-                    Ok(None) => "ended early".to_string(),
-                    Err(_) => "stalled".to_string(),
-                };
+                    // The last chunk waits for the digest: once every announced
+                    // byte is sent, a reset comes too late.
+                    if self.sent == self.fetch.len {
+                        self.finish()?;
+                    }
+                    return Ok(Some(chunk));
+                }
+                Ok(Some(Err(e))) => e.to_string(),
+                Ok(None) => "ended early".to_string(),
+                Err(_) => "stalled".to_string(),
+            };
             self.resumer
                 .health
                 .failed(&self.peer, &PeerFailure::Body(failure));
+            self.floor = Floor::new(self.resumer.client.idle);
             self.resume().await?;
         }
     }

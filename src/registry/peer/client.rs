@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 
 use super::failure::PeerFailure;
+use super::floor::Floor;
 use super::response::PeerResponse;
 use crate::coalesce::leases::Grant;
 use crate::metrics::Metrics;
@@ -260,11 +261,15 @@ pub(crate) async fn read_capped(
     }
     let mut bytes = Vec::with_capacity(response.content_length().unwrap_or(0) as usize);
     let mut stream = response.bytes_stream();
+    let mut floor = Floor::new(idle);
     while let Some(chunk) = tokio::time::timeout(idle, stream.next())
         .await
         .map_err(|_| PeerFailure::Body("stalled".into()))?
     {
         let chunk = chunk.map_err(|e| PeerFailure::Body(e.to_string()))?;
+        if !floor.keeps_up(chunk.len()) {
+            return Err(PeerFailure::Body("too slow".into()));
+        }
         if (bytes.len() + chunk.len()) as u64 > limit {
             return Err(PeerFailure::Body("larger than announced".into()));
         }

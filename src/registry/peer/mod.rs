@@ -10,6 +10,7 @@ pub(crate) mod bound;
 pub(crate) mod client;
 pub(crate) mod diagnostic_pull;
 pub(crate) mod failure;
+mod floor;
 mod health;
 pub(crate) mod response;
 
