@@ -115,6 +115,25 @@ impl AsyncWrite for LimitedStream {
     }
 }
 
+/// Keeps a request counted (its connection busy, its slot taken) while held: a response that
+/// hands its connection over (the zero-copy upgrade) holds it until the send ends.
+#[derive(Clone)]
+pub struct Hold {
+    _held: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl Hold {
+    pub(crate) fn new(held: Arc<dyn std::any::Any + Send + Sync>) -> Hold {
+        Hold { _held: held }
+    }
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hold")
+    }
+}
+
 /// Lets one of many like events into the log at most every `every`, with how many there were:
 /// whoever sends refused requests by the thousand must not fill the disk.
 #[derive(Debug)]

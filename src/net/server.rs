@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
-use crate::net::limits::{LimitedListener, LogEvery};
+use crate::net::limits::{Hold, LimitedListener, LogEvery};
 
 /// containerd and peers send a request's head at once; 10 s is generous for a loaded node.
 pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
@@ -322,6 +322,9 @@ async fn answer(
             return Ok(refused);
         }
     }
+    let busy = Arc::new(busy);
+    let mut req = req;
+    req.extensions_mut().insert(Hold::new(busy.clone()));
     let response = router.oneshot(req).await?;
     Ok(response.map(|body| Body::new(Tracked { body, _busy: busy })))
 }
@@ -370,10 +373,10 @@ impl ConnAddrs {
     }
 }
 
-/// A response body that keeps its request counted until it ends.
+/// A response body that keeps its request counted until it ends (and any [`Hold`] too).
 struct Tracked {
     body: Body,
-    _busy: Busy,
+    _busy: Arc<Busy>,
 }
 
 impl hyper::body::Body for Tracked {

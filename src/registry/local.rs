@@ -9,7 +9,6 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 
 use super::ApiError;
-use hyper::upgrade::OnUpgrade;
 
 use super::zero_copy;
 use crate::metrics::{LookupLabels, Metrics, SourceLabels};
@@ -96,7 +95,7 @@ impl Local {
         head: bool,
         headers: &HeaderMap,
         digest: &Digest,
-        zero_copy: Option<OnUpgrade>,
+        zero_copy: Option<zero_copy::Upgrade>,
     ) -> Result<Response, ApiError> {
         let found = self.store.descriptor(digest).await;
         self.record("blob", &found);
@@ -129,7 +128,7 @@ impl Local {
         if head {
             return Ok(response.body(Body::empty())?);
         }
-        if let Some(on_upgrade) = zero_copy
+        if let Some(upgrade) = zero_copy
             && length >= zero_copy::MIN_BYTES
             && let Some(file) = self.file(digest, desc.size).await
         {
@@ -140,7 +139,7 @@ impl Local {
                 idle: zero_copy::SEND_IDLE,
                 counters: [self.peer_bytes(), self.metrics.zero_copy_bytes.clone()],
             };
-            return Ok(zero_copy::switch(status, response, on_upgrade, send)?);
+            return Ok(zero_copy::switch(status, response, upgrade, send)?);
         }
         let stream = self
             .store

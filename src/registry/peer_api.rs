@@ -15,7 +15,6 @@ use axum::http::{HeaderMap, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use hyper::upgrade::OnUpgrade;
 use tokio::sync::watch;
 
 use super::in_flight::{self, Opened};
@@ -183,7 +182,7 @@ async fn stored_blob(
     api: &PeerApi,
     req: &Pull,
     digest: &Digest,
-    zero_copy: Option<OnUpgrade>,
+    zero_copy: Option<zero_copy::Upgrade>,
 ) -> Result<Response, ApiError> {
     if let Some(integrity) = &api.state.integrity
         && !req.head

@@ -15,6 +15,9 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
 use hyper::upgrade::OnUpgrade;
 
+use super::zero_copy::Upgrade;
+use crate::net::limits::Hold;
+
 use super::{ApiError, Source};
 use crate::metrics::{KindLabels, Metrics, RequestLabels, SourceLabels};
 use crate::oci::registry::{Registries, registry_host};
@@ -28,7 +31,7 @@ pub(super) struct Pull {
     pub ns: Option<String>,
     pub headers: HeaderMap,
     /// The connection, for a blob sent with `sendfile` (`zero_copy.rs`).
-    pub upgrade: Option<OnUpgrade>,
+    pub upgrade: Option<Upgrade>,
 }
 
 impl Pull {
@@ -81,7 +84,13 @@ where
             head,
             ns,
             headers: std::mem::take(&mut parts.headers),
-            upgrade: parts.extensions.remove::<OnUpgrade>(),
+            upgrade: parts
+                .extensions
+                .remove::<OnUpgrade>()
+                .map(|on_upgrade| Upgrade {
+                    on_upgrade,
+                    hold: parts.extensions.remove::<Hold>(),
+                }),
         })
     }
 }

@@ -17,7 +17,7 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 
-use crate::net::limits::LimitedStream;
+use crate::net::limits::{Hold, LimitedStream};
 
 use crate::wire::{ZERO_COPY_LENGTH_HEADER, ZERO_COPY_PROTOCOL, ZERO_COPY_STATUS_HEADER};
 
@@ -32,6 +32,14 @@ pub fn offered(headers: &HeaderMap) -> bool {
         .get(header::UPGRADE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.eq_ignore_ascii_case(ZERO_COPY_PROTOCOL))
+}
+
+/// A request's connection, to be taken over, and what keeps the request counted meanwhile.
+#[derive(Debug)]
+pub struct Upgrade {
+    pub on_upgrade: OnUpgrade,
+    /// Held until the send ends: the send stays inside the listener's request slots.
+    pub hold: Option<Hold>,
 }
 
 /// Asks a peer for the upgrade.
@@ -57,7 +65,7 @@ pub struct FileSend {
 pub fn switch(
     status: StatusCode,
     answer: axum::http::response::Builder,
-    on_upgrade: OnUpgrade,
+    upgrade: Upgrade,
     send: FileSend,
 ) -> Result<Response, axum::http::Error> {
     let mut out = Response::builder()
@@ -73,7 +81,9 @@ pub fn switch(
             }
         }
     }
+    let Upgrade { on_upgrade, hold } = upgrade;
     tokio::spawn(async move {
+        let _hold = hold;
         let upgraded = match on_upgrade.await {
             Ok(u) => u,
             Err(e) => {

@@ -148,3 +148,33 @@ async fn a_page_rebound_to_loopback_is_refused() {
     }
     stop.cancel();
 }
+
+#[tokio::test]
+async fn a_held_request_keeps_its_slot_after_its_response() {
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let released = Arc::new(Mutex::new(Some(released)));
+    let hand_over = move |req: axum::extract::Request| {
+        let released = released.clone();
+        async move {
+            // As the zero-copy send does: the response ends, the work goes on, held.
+            let hold = req.extensions().get::<Hold>().cloned().expect("a hold");
+            let released = released.lock().unwrap().take().expect("once");
+            tokio::spawn(async move {
+                let _hold = hold;
+                let _ = released.await;
+            });
+            "handed over"
+        }
+    };
+    let router = router().route("/hand-over", axum::routing::get(hand_over));
+    let (addr, stop) = serving(router, bounds(1, Duration::from_secs(600))).await;
+    let (_, text) = get(addr, "/hand-over").await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let (_, text) = get(addr, "/ok").await;
+    assert!(text.starts_with("HTTP/1.1 404"), "the slot is still held: {text}");
+    release.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (_, text) = get(addr, "/ok").await;
+    assert!(text.starts_with("HTTP/1.1 200"), "given back: {text}");
+    stop.cancel();
+}
