@@ -444,3 +444,106 @@ fn an_ipv6_only_cluster_shares_every_blob_over_ipv6() {
         assert!(node2.committed_matches(&digest), "{digest} correct");
     }
 }
+
+/// An outsider on the node network, without the cluster secret, holding hundreds of half-open
+/// private-network handshakes against node 1's p2p port (the 24-byte nonce, then silence)
+/// takes at most a few of its handshake slots: node 2, a member, still connects to node 1,
+/// turns ready and gets every blob from it.
+#[test]
+fn an_outsiders_handshakes_never_take_what_members_need() {
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
+    let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
+    image.push(registry_addr, "team/app");
+    let reference = format!("{registry_addr}/team/app:v1");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "the members' secret, thirty-two bytes or more").unwrap();
+    let secret_arg = secret.to_str().unwrap();
+    let node1 = Node::start(
+        &mut net,
+        dir,
+        "n1",
+        11,
+        registry_addr,
+        &["--cluster-secret-file", secret_arg],
+    );
+    node1
+        .containerd
+        .pull("k8s.io", &reference, &node1.containerd.hosts_dir);
+    wait_for("node 1 advertises the image", || {
+        node1.metric("ferry_keys_advertised") >= (LAYERS + 3) as u64
+    });
+
+    let outsider = net.add_host("out", 20);
+    let script = r#"
+import socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = []
+for _ in range(n):
+    try:
+        s = socket.create_connection((host, port), timeout=2)
+        s.sendall(b"\x07" * 24)
+        held.append(s)
+    except OSError:
+        pass
+print("holding", len(held), flush=True)
+while True:
+    for i, s in enumerate(held):
+        try:
+            s.sendall(b"")
+        except OSError:
+            try:
+                s = socket.create_connection((host, port), timeout=2)
+                s.sendall(b"\x07" * 24)
+                held[i] = s
+            except OSError:
+                pass
+    time.sleep(0.5)
+"#;
+    let mut cmd = in_netns(Some(&outsider), "python3");
+    cmd.args([
+        "-c",
+        script,
+        &node1.ip.to_string(),
+        &P2P_PORT.to_string(),
+        "500",
+    ]);
+    let attack = Proc::spawn(cmd, dir.join("outsider.log"));
+    wait_for("the outsider to hold its connections", || {
+        attack.log_text().contains("holding")
+    });
+
+    let seed = format!("{}:{P2P_PORT}", node1.ip);
+    let node2 = Node::start(
+        &mut net,
+        dir,
+        "n2",
+        12,
+        registry_addr,
+        &[
+            "--bootstrap-peers",
+            &seed,
+            "--cluster-secret-file",
+            secret_arg,
+        ],
+    );
+    wait_for("node 2 ready with node 1 as its peer", || {
+        http_status(&format!("http://{}/readyz", node2.metrics_addr())) == Some(200)
+    });
+    let before = registry.requests().len();
+    node2.try_pull(&reference).unwrap();
+    asked_upstream_only_the_tag(&registry, before, &node2);
+    let log = node1.ferry.log_text();
+    assert!(
+        log.contains(&format!("connections from {} already", net.host_ip(20))),
+        "the outsider was never refused: its connections are not counted"
+    );
+    drop(attack);
+    drop(node2);
+    drop(node1);
+    drop(registry);
+    drop(tmp);
+    drop(net);
+}

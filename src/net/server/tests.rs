@@ -171,7 +171,10 @@ async fn a_held_request_keeps_its_slot_after_its_response() {
     let (_, text) = get(addr, "/hand-over").await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     let (_, text) = get(addr, "/ok").await;
-    assert!(text.starts_with("HTTP/1.1 404"), "the slot is still held: {text}");
+    assert!(
+        text.starts_with("HTTP/1.1 404"),
+        "the slot is still held: {text}"
+    );
     release.send(()).unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let (_, text) = get(addr, "/ok").await;
