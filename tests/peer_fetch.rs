@@ -906,3 +906,42 @@ async fn a_dripping_peer_is_given_up_and_the_next_provider_serves() {
     }
     good.stop().await;
 }
+
+/// Blobs verified whole before serving hold memory until their reader has them all: past the
+/// buffer budget, a whole blob is streamed instead (hashed on the way, its last chunk held
+/// until the digest checks out) and a range, which could not be checked, goes to the registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_buffer_budget_a_blob_is_streamed_and_a_range_left_to_the_registry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let store_good = Arc::new(MemoryStore::new());
+    let (layer, bytes) = image(&store_good);
+    let good = run_node(&tmp.path().join("good"), store_good, |http| {
+        memory_peering(&network, "b-good", http)
+    })
+    .await;
+    advertise(&network, "b-good", good.peer, &layer).await;
+    let asker = run_node(
+        &tmp.path().join("asker"),
+        Arc::new(MemoryStore::new()),
+        |http| {
+            // The 3 MiB blob is within the verify limit (4 MiB) but not the budget (1 MiB).
+            let mut peering = memory_peering_verifying(&network, "c-asker", http, 4 << 20);
+            if let Peering::Given { fetch, .. } = &mut peering {
+                fetch.buffer_budget = 1 << 20;
+            }
+            peering
+        },
+    )
+    .await;
+    let url = format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror);
+    let (status, body, _) = get(&url, None).await;
+    assert_eq!(status, 200);
+    assert_eq!(sha(&body), layer, "streamed whole, byte-identical");
+    let (status, _, _) = get(&url, Some("bytes=10-19")).await;
+    assert_eq!(status, 404, "an unchecked range is the registry's");
+    assert_eq!(bytes.len(), 3 * 1024 * 1024);
+    for n in [good, asker] {
+        n.stop().await;
+    }
+}

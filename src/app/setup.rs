@@ -149,6 +149,7 @@ impl PeerSetup {
                 first_byte_timeout: config.peer_first_byte_timeout,
                 idle_timeout: config.peer_idle_timeout,
                 verify_before_serving: config.verify_before_serving,
+                buffer_budget: crate::registry::peer::BUFFER_BUDGET,
                 zero_copy: config.zero_copy,
             },
             tags: config.resolve_tags,

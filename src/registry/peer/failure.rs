@@ -31,6 +31,10 @@ pub enum PeerFailure {
 pub enum PeerMiss {
     #[error("no node advertises it")]
     NoProvider,
+    #[error(
+        "the buffer budget is spent: a range that could not be checked is left to the registry"
+    )]
+    Busy,
     #[error("a tag cannot be looked up without its registry (?ns=)")]
     NoRegistry,
     #[error("{advertised} node(s) advertise it, none served it (gone, or quarantined)")]

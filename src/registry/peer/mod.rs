@@ -22,7 +22,8 @@ use axum::body::Body;
 use axum::http::{Method, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::coalesce::ClaimSender;
 use crate::coalesce::leases::Grant;
@@ -79,6 +80,9 @@ pub struct PeerFetchConfig {
     pub idle_timeout: Duration,
     /// Blobs up to this size are verified whole before the first byte is served.
     pub verify_before_serving: u64,
+    /// Bytes held at once by blobs verified whole: past it a whole blob is streamed (hashed on
+    /// the way) and a range goes to the registry, so slow readers cannot pin memory.
+    pub buffer_budget: u64,
     /// Offer and accept the zero-copy upgrade (`registry::zero_copy`).
     pub zero_copy: bool,
 }
@@ -93,6 +97,7 @@ impl PeerFetchConfig {
             first_byte_timeout: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(5),
             verify_before_serving: MAX_MANIFEST_BYTES,
+            buffer_budget: BUFFER_BUDGET,
             zero_copy: true,
         }
     }
@@ -112,7 +117,12 @@ pub struct PeerFetcher {
     lookups: Mutex<HashMap<String, SharedLookup>>,
     health: Arc<PeerHealth>,
     bound: Arc<ResolveBound>,
+    /// [`PeerFetchConfig::buffer_budget`], in KiB.
+    buffered: Arc<Semaphore>,
 }
+
+/// A quarter of the chart's memory limit.
+pub const BUFFER_BUDGET: u64 = 256 << 20;
 
 impl std::fmt::Debug for PeerFetcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -142,7 +152,9 @@ impl PeerFetcher {
             ResolveBound::new(config.resolve_timeout, config.resolve_timeout_max)
                 .shown_in(metrics.peer_resolve_wait.clone()),
         );
+        let budget_kib = usize::try_from(config.buffer_budget / 1024).unwrap_or(usize::MAX);
         Ok(PeerFetcher {
+            buffered: Arc::new(Semaphore::new(budget_kib.min(Semaphore::MAX_PERMITS))),
             bound,
             router,
             client,
@@ -226,21 +238,26 @@ impl PeerFetcher {
                 failed(&peer, PeerFailure::Extent);
                 continue;
             };
-            if fetch.total <= self.config.verify_before_serving {
-                match self
+            let budget = (fetch.total <= self.config.verify_before_serving)
+                .then(|| self.buffer(fetch.total));
+            match budget {
+                Some(Some(held)) => match self
                     .verified_whole(&peer, response, &fetch, &path, req.ns, follow)
                     .await
                 {
                     Ok(whole) => {
                         let start = fetch.start as usize;
                         let part = whole.slice(start..start + fetch.len as usize);
-                        return built(fetch.response(Body::from(part)));
+                        return built(fetch.response(budgeted(part, held)));
                     }
                     Err(failure) => {
                         failed(&peer, failure);
                         continue;
                     }
-                }
+                },
+                // A range streamed from a peer could not be checked: the registry answers it.
+                Some(None) if fetch.partial => return Err(PeerMiss::Busy),
+                Some(None) | None => {}
             }
             let first = response.bytes_stream();
             let remaining: Vec<Peer> = candidates.collect();
@@ -256,6 +273,12 @@ impl PeerFetcher {
             return built(fetch.response(Body::from_stream(body.into_stream())));
         }
         Err(PeerMiss::after(advertised, last))
+    }
+
+    /// `bytes` of the buffer budget, if that many are free now.
+    fn buffer(&self, bytes: u64) -> Option<OwnedSemaphorePermit> {
+        let kib = u32::try_from(bytes.div_ceil(1024)).ok()?;
+        self.buffered.clone().try_acquire_many_owned(kib).ok()
     }
 
     /// The whole blob from `peer`, checked; for a range, asked for again.
@@ -582,3 +605,19 @@ impl ClaimSender for PeerFetcher {
 
 #[cfg(test)]
 mod tests;
+
+/// `bytes` as a body that gives its budget back when it ends, handed to hyper 64 KiB at a time
+/// so that a slow reader's queue holds one slice, not the blob.
+fn budgeted(bytes: Bytes, held: OwnedSemaphorePermit) -> Body {
+    const SLICE: usize = 64 * 1024;
+    let slices: Vec<Bytes> = (0..bytes.len())
+        .step_by(SLICE)
+        .map(|at| bytes.slice(at..(at + SLICE).min(bytes.len())))
+        .collect();
+    let held = Arc::new(held);
+    let stream = futures::stream::iter(slices).map(move |slice| {
+        let _ = &held;
+        Ok::<_, std::io::Error>(slice)
+    });
+    Body::from_stream(stream)
+}
