@@ -724,6 +724,33 @@ async fn a_peer_serving_wrong_bytes_is_quarantined_and_ferry_status_says_so() {
     }
 }
 
+/// Node "b-good" of `network`, holding `image`: the node, its layer's digest and bytes.
+async fn good_node(dir: &std::path::Path, network: &MemoryNetwork) -> (Running, String, Bytes) {
+    let store = Arc::new(MemoryStore::new());
+    let (layer, bytes) = image(&store);
+    let node = run_node(&dir.join("good"), store, |http| {
+        memory_peering(network, "b-good", http)
+    })
+    .await;
+    (node, layer, bytes)
+}
+
+/// Node "c-asker" of `network`, holding nothing, its peer fetching as `tweak` sets it.
+async fn asker(
+    dir: &std::path::Path,
+    network: &MemoryNetwork,
+    tweak: impl FnOnce(&mut PeerFetchConfig),
+) -> Running {
+    run_node(dir, Arc::new(MemoryStore::new()), |http| {
+        let mut peering = memory_peering(network, "c-asker", http);
+        if let Peering::Given { fetch, .. } = &mut peering {
+            tweak(fetch);
+        }
+        peering
+    })
+    .await
+}
+
 /// A peer that answers every request with `body` under `content_type` (and its digest).
 async fn typed_peer(body: Bytes, content_type: &'static str) -> SocketAddr {
     let listener = bind().await;
@@ -754,27 +781,17 @@ async fn typed_peer(body: Bytes, content_type: &'static str) -> SocketAddr {
 async fn a_manifest_under_a_wrong_type_is_caught_and_its_peer_charged() {
     let tmp = tempfile::tempdir().unwrap();
     let network = MemoryNetwork::new();
-    let store_good = Arc::new(MemoryStore::new());
-    let (layer, _) = image(&store_good);
+    let (good, layer, _) = good_node(tmp.path(), &network).await;
     // The image's own manifest, as `image` writes it.
     let manifest = Bytes::from(format!(
         r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","config":{{"digest":"{layer}"}},"layers":[{{"digest":"{layer}"}}]}}"#
     ));
     let digest = sha(&manifest);
-    let good = run_node(&tmp.path().join("good"), store_good, |http| {
-        memory_peering(&network, "b-good", http)
-    })
-    .await;
     let liar = typed_peer(manifest.clone(), ferry::oci::manifest::OCI_INDEX).await;
     for (id, addr) in [("a-liar", liar), ("b-good", good.peer)] {
         advertise(&network, id, addr, &digest).await;
     }
-    let asker = run_node(
-        &tmp.path().join("asker"),
-        Arc::new(MemoryStore::new()),
-        |http| memory_peering(&network, "c-asker", http),
-    )
-    .await;
+    let asker = asker(&tmp.path().join("asker"), &network, |_| {}).await;
     let url = format!(
         "http://{}/v2/team/app/manifests/{digest}?ns=registry.test",
         asker.mirror
@@ -802,19 +819,9 @@ async fn a_manifest_under_a_wrong_type_is_caught_and_its_peer_charged() {
 async fn a_range_no_peer_can_answer_goes_to_the_registry_without_charging_peers() {
     let tmp = tempfile::tempdir().unwrap();
     let network = MemoryNetwork::new();
-    let store_good = Arc::new(MemoryStore::new());
-    let (layer, bytes) = image(&store_good);
-    let good = run_node(&tmp.path().join("good"), store_good, |http| {
-        memory_peering(&network, "b-good", http)
-    })
-    .await;
+    let (good, layer, bytes) = good_node(tmp.path(), &network).await;
     advertise(&network, "b-good", good.peer, &layer).await;
-    let asker = run_node(
-        &tmp.path().join("asker"),
-        Arc::new(MemoryStore::new()),
-        |http| memory_peering(&network, "c-asker", http),
-    )
-    .await;
+    let asker = asker(&tmp.path().join("asker"), &network, |_| {}).await;
     let url = format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror);
     for bad in ["bytes=0-1,5-9", "bytes=x-y", "items=0-9"] {
         let (status, _, _) = get(&url, Some(bad)).await;
@@ -868,28 +875,17 @@ async fn dripping_peer(full: Bytes) -> SocketAddr {
 async fn a_dripping_peer_is_given_up_and_the_next_provider_serves() {
     let tmp = tempfile::tempdir().unwrap();
     let network = MemoryNetwork::new();
-    let store_good = Arc::new(MemoryStore::new());
-    let (layer, bytes) = image(&store_good);
-    let good = run_node(&tmp.path().join("good"), store_good, |http| {
-        memory_peering(&network, "b-good", http)
-    })
-    .await;
+    let (good, layer, bytes) = good_node(tmp.path(), &network).await;
     let drip = dripping_peer(bytes.clone()).await;
     for (id, addr) in [("a-drip", drip), ("b-good", good.peer)] {
         advertise(&network, id, addr, &layer).await;
     }
     for (limit, path) in [(4 << 20, "verified whole"), (1 << 20, "streamed")] {
-        let asker = run_node(
-            &tmp.path().join(format!("asker-{limit}")),
-            Arc::new(MemoryStore::new()),
-            |http| {
-                let mut peering = memory_peering_verifying(&network, "c-asker", http, limit);
-                if let Peering::Given { fetch, .. } = &mut peering {
-                    fetch.idle_timeout = Duration::from_millis(500);
-                }
-                peering
-            },
-        )
+        let dir = tmp.path().join(format!("asker-{limit}"));
+        let asker = asker(&dir, &network, |fetch| {
+            fetch.verify_before_serving = limit;
+            fetch.idle_timeout = Duration::from_millis(500);
+        })
         .await;
         let (status, body, _) = get(
             &format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror),
@@ -914,25 +910,13 @@ async fn a_dripping_peer_is_given_up_and_the_next_provider_serves() {
 async fn past_the_buffer_budget_a_blob_is_streamed_and_a_range_left_to_the_registry() {
     let tmp = tempfile::tempdir().unwrap();
     let network = MemoryNetwork::new();
-    let store_good = Arc::new(MemoryStore::new());
-    let (layer, bytes) = image(&store_good);
-    let good = run_node(&tmp.path().join("good"), store_good, |http| {
-        memory_peering(&network, "b-good", http)
-    })
-    .await;
+    let (good, layer, bytes) = good_node(tmp.path(), &network).await;
     advertise(&network, "b-good", good.peer, &layer).await;
-    let asker = run_node(
-        &tmp.path().join("asker"),
-        Arc::new(MemoryStore::new()),
-        |http| {
-            // The 3 MiB blob is within the verify limit (4 MiB) but not the budget (1 MiB).
-            let mut peering = memory_peering_verifying(&network, "c-asker", http, 4 << 20);
-            if let Peering::Given { fetch, .. } = &mut peering {
-                fetch.buffer_budget = 1 << 20;
-            }
-            peering
-        },
-    )
+    // The 3 MiB blob is within the verify limit (4 MiB) but not the budget (1 MiB).
+    let asker = asker(&tmp.path().join("asker"), &network, |fetch| {
+        fetch.verify_before_serving = 4 << 20;
+        fetch.buffer_budget = 1 << 20;
+    })
     .await;
     let url = format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror);
     let (status, body, _) = get(&url, None).await;

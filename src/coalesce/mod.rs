@@ -69,6 +69,13 @@ struct Part {
     received: Option<Arc<Received>>,
 }
 
+impl Part {
+    /// Within its lease, or still streaming to a follower.
+    fn live(&self) -> bool {
+        self.since.elapsed() < LEASE || !self.followers.is_empty()
+    }
+}
+
 /// One digest in flight, as `ferry status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct InFlightPart {
@@ -329,8 +336,7 @@ impl Coalescer {
         let mut parts = self.lock_parts();
         self.sweep(&mut parts);
         let part = parts.get(digest)?;
-        let live = part.since.elapsed() < LEASE || !part.followers.is_empty();
-        live.then(|| part.role.clone())
+        part.live().then(|| part.role.clone())
     }
 
     /// Drops expired parts and spent relay windows, at most every [`SWEEP_EVERY`]: a sweep
@@ -343,7 +349,7 @@ impl Coalescer {
             }
             *swept = Instant::now();
         }
-        parts.retain(|_, p| p.since.elapsed() < LEASE || !p.followers.is_empty());
+        parts.retain(|_, p| p.live());
         for part in parts.values_mut() {
             if part
                 .received
@@ -415,7 +421,7 @@ impl Coalescer {
         let mut parts: Vec<InFlightPart> = self
             .lock_parts()
             .iter()
-            .filter(|(_, p)| p.since.elapsed() < LEASE || !p.followers.is_empty())
+            .filter(|(_, p)| p.live())
             .map(|(digest, p)| {
                 let mut followers: Vec<String> = p.followers.keys().cloned().collect();
                 followers.sort();

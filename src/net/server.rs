@@ -296,7 +296,7 @@ impl Drop for Busy {
 }
 
 async fn answer(
-    req: hyper::Request<hyper::body::Incoming>,
+    mut req: hyper::Request<hyper::body::Incoming>,
     router: axum::Router,
     conn: Arc<ConnState>,
     slots: Arc<Slots>,
@@ -323,7 +323,6 @@ async fn answer(
         }
     }
     let busy = Arc::new(busy);
-    let mut req = req;
     req.extensions_mut().insert(Hold::new(busy.clone()));
     let response = router.oneshot(req).await?;
     Ok(response.map(|body| Body::new(Tracked { body, _busy: busy })))
