@@ -37,8 +37,6 @@ const WINDOW_STALE: Duration = Duration::from_secs(120);
 /// grow the table without end; past it, the oldest part without followers goes.
 const MAX_PARTS: usize = 4_096;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-/// A claim that failed this fast was refused, not slow: worth asking the next coordinator.
-const REFUSED_WITHIN: Duration = Duration::from_millis(200);
 /// Downloads on this node written longer ago than this were left by failed ones: not shared.
 const SHARE_FRESH: Duration = Duration::from_secs(30);
 
@@ -165,14 +163,13 @@ impl Coalescer {
         };
         let coordinator = &coordinator;
         let failed_id = failed.map(|p| p.id.as_str());
-        let started = Instant::now();
         let mut grant = self.ask(coordinator, digest, &me, failed_id).await;
         let fallback = || self.leader_to_fall_back_on(digest, coordinator, failed);
-        if grant.is_none() && fallback().is_none() && started.elapsed() < REFUSED_WITHIN {
-            // Refused at once: the coordinator is gone. Every node that finds it gone asks
-            // the same next one, so they still agree on one leader.
+        if grant.is_none() && fallback().is_none() {
+            // Refused, or silent (stopped, overloaded): every node that finds it so asks the
+            // same next one, so they still agree on one leader rather than each go upstream.
             if let Some(backup) = self.backup_coordinator(digest, &me, coordinator) {
-                tracing::info!(%digest, coordinator = %coordinator.id, backup = %backup.id, "the coordinator is gone; claiming at the next one");
+                tracing::info!(%digest, coordinator = %coordinator.id, backup = %backup.id, "no answer from the coordinator; claiming at the next one");
                 grant = self.ask(&backup, digest, &me, failed_id).await;
             }
         }
