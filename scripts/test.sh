@@ -39,6 +39,6 @@ while read -r version bin; do
     echo "==> cluster tests with containerd $version"
     PATH="$bin:$PATH" cargo test --locked --features system-tests --no-fail-fast \
         --test cluster_e2e --test cluster_tags --test cluster_faults --test cluster_storm \
-        --test cluster_relays --test containerd_e2e
+        --test cluster_relays --test cluster_keep --test containerd_e2e
 done <<< "$versions"
 echo "==> all tests passed"

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod coalesce;
 pub mod config;
 pub mod containerd_config;
+pub mod keep;
 pub mod kubernetes;
 pub mod metrics;
 pub mod net;

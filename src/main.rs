@@ -2,6 +2,7 @@
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use ferry::app::AppError;
 use ferry::cli::{Cli, Command, LoadError, WaitCleanupArgs};
@@ -192,7 +193,37 @@ fn cleanup(config: &Config) -> anyhow::Result<()> {
         println!("nothing of ferry's in {}", config.hosts_dir.display());
     }
     print_outcomes(&outcomes);
+    release_holds(config);
     failures(&outcomes)
+}
+
+/// Ends Ferry's containerd lease. containerd away is no failure: the lease expires on its own.
+fn release_holds(config: &Config) {
+    let ended = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|rt| {
+            rt.block_on(async {
+                // The channel is made inside the runtime, which it needs.
+                let store = ferry::store::containerd::ContainerdStore::new(
+                    config.containerd_socket.clone(),
+                    config.containerd_namespace.clone(),
+                    config.containerd_content_dir.clone(),
+                );
+                let end = ferry::store::Holder::end(&store);
+                Ok(tokio::time::timeout(Duration::from_secs(10), end).await??)
+            })
+        });
+    let socket = config.containerd_socket.display();
+    let days = ferry::store::containerd::lease::EXPIRY.as_secs() / 86_400;
+    match ended {
+        Ok(0) => println!("containerd {socket}: no lease of ferry's"),
+        Ok(n) => println!("containerd {socket}: ferry's lease removed ({n})"),
+        Err(e) => println!(
+            "containerd {socket}: not reached ({e}); ferry's lease, if any, expires on its own within {days} days"
+        ),
+    }
 }
 
 fn print_outcomes(outcomes: &[containerd_config::Outcome]) {

@@ -918,8 +918,9 @@ fn hostile_streams_keep_memory_bounded() {
 /// A containerd config that makes Ferry useless on the node (the kubelet's pulls would not
 /// read the hosts dir; layers discarded after unpacking) is a problem Ferry shows, in
 /// `/readyz`'s body and `ferry_config_problems`, while it stays ready: a warning never keeps a
-/// node out of service. Fixed in the file, the problems go at the next look (every minute; here
-/// a restart).
+/// node out of service. Discarded layers are a problem only without Ferry's lease
+/// (`--keep-budget 0`); with it, `/status` says the lease keeps them. Fixed in the file, the
+/// problems go at the next look (every minute; here a restart).
 #[test]
 fn a_containerd_config_that_defeats_ferry_is_shown_not_fatal() {
     let dir = tempfile::tempdir().unwrap();
@@ -930,11 +931,35 @@ fn a_containerd_config_that_defeats_ferry_is_shown_not_fatal() {
         "version = 2\nimports = [\"conf.d/*.toml\"]\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  discard_unpacked_layers = true\n",
     )
     .unwrap();
+    let keeping = [
+        "--p2p",
+        "false",
+        "--containerd-config",
+        config.to_str().unwrap(),
+    ];
+    let ferry = Ferry::start(dir.path(), &containerd, &keeping);
+    wait_for("ferry /readyz", || ferry.ready());
+    let body = http("GET", &format!("http://{}/readyz", ferry.metrics), &[]).body;
+    let body = String::from_utf8_lossy(&body).to_string();
+    assert!(
+        body.contains("cri_config_path_unset") && !body.contains("discard_unpacked_layers"),
+        "{body}"
+    );
+    let status = http("GET", &format!("http://{}/status", ferry.metrics), &[]).body;
+    let status: serde_json::Value = serde_json::from_slice(&status).unwrap();
+    assert_eq!(
+        status["keep"]["containerd_discards_layers"], true,
+        "{status}"
+    );
+    drop(ferry);
+
     let args = [
         "--p2p",
         "false",
         "--containerd-config",
         config.to_str().unwrap(),
+        "--keep-budget",
+        "0",
     ];
     let ferry = Ferry::start(dir.path(), &containerd, &args);
     wait_for("ferry /readyz", || ferry.ready());

@@ -232,6 +232,9 @@ fn each_configuration_problem_is_a_warning_event_on_the_node_once() {
             "node-a",
             "--containerd-config",
             config.to_str().unwrap(),
+            // Without Ferry's lease: discarding layers is a problem only then.
+            "--keep-budget",
+            "0",
         ],
     );
     let warnings = || -> Vec<serde_json::Value> {

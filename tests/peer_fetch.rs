@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ferry::app::{Listeners, PeerSetup, Peering, serve};
+use ferry::app::{Listeners, PeerSetup, Peering, Stores, serve};
 use ferry::cli::settings;
 use ferry::config::{Config, Registries, RegistryFilters};
 use ferry::oci::manifest::OCI_MANIFEST;
@@ -79,7 +79,11 @@ async fn run_node(
         .await
         .unwrap_or_default()
         .is_empty();
-    let task = tokio::spawn(serve(config, store, listeners, peering, shutdown));
+    let stores = Stores {
+        content: store.clone(),
+        holder: Some(store),
+    };
+    let task = tokio::spawn(serve(config, stores, listeners, peering, shutdown));
     // A node serves peers only what its sync has taken stock of (its first reconcile runs
     // at start, a moment later on a loaded machine): wait for it, or a test that advertises
     // the node by hand can ask it too early and get a 404 (seen once in a full run).

@@ -20,10 +20,25 @@ pub(super) fn check_containerd_config(config: &Config, problems: &Problems) {
     let found = preflight::check(&config.containerd_config, &config.hosts_dir);
     for name in preflight::PROBLEMS {
         match found.iter().find(|w| w.problem == name) {
+            // Ferry's lease keeps what it pulls: a fact to know, not a problem to fix.
+            Some(w) if w.problem == preflight::DISCARD && config.keeps() => {
+                tracing::debug!(
+                    "{}; Ferry's lease keeps the layers pulled through it",
+                    w.text
+                );
+                problems.clear(name)
+            }
             Some(w) => problems.set(name, w.text.clone()),
             None => problems.clear(name),
         }
     }
+}
+
+/// Whether containerd deletes layers once unpacked (`discard_unpacked_layers`).
+pub(super) fn discards_layers(config: &Config) -> bool {
+    preflight::check(&config.containerd_config, &config.hosts_dir)
+        .iter()
+        .any(|w| w.problem == preflight::DISCARD)
 }
 
 pub(super) async fn refresh_hosts(

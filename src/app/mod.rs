@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use hosts::{configure_hosts, report};
-pub use setup::{Listeners, PeerSetup, Peering};
+pub use setup::{Listeners, PeerSetup, Peering, Stores};
 
 use crate::config::Config;
 use crate::containerd_config;
@@ -32,8 +32,8 @@ use crate::registry::integrity::Integrity;
 use crate::registry::recent::RecentPulls;
 use crate::registry::{self, MirrorState, PeerApiState, ResolveTags, UpstreamWatch};
 use crate::routing::sync;
-use crate::store::ContentStore;
 use crate::store::containerd::ContainerdStore;
+use crate::store::{ContentStore, Holder};
 use crate::trust::{ClusterSecret, SecretError};
 use node::Node;
 
@@ -88,7 +88,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let ops = bind(config.metrics_addr)?;
     let (peering, peer) = bind_peers(&config, secret);
     let listeners = Listeners { mirror, peer, ops };
-    serve(config, store, listeners, peering, shutdown).await;
+    let holder: Arc<dyn Holder> = Arc::new(ContainerdStore::new(
+        config.containerd_socket.clone(),
+        config.containerd_namespace.clone(),
+        config.containerd_content_dir.clone(),
+    ));
+    let stores = Stores {
+        content: store,
+        holder: Some(holder),
+    };
+    serve(config, stores, listeners, peering, shutdown).await;
     Ok(())
 }
 
@@ -126,14 +135,15 @@ fn bind_peers(config: &Config, secret: Option<ClusterSecret>) -> (Peering, Optio
 /// a stopped Ferry on loopback is an instant refusal, and containerd falls back at once.
 pub async fn serve(
     config: Config,
-    store: Arc<dyn ContentStore>,
+    stores: Stores,
     listeners: Listeners,
     peering: Peering,
     shutdown: impl Future<Output = ()>,
 ) {
     let metrics = Arc::new(Metrics::new());
+    let keep = setup::keeper(&config, stores.holder, &metrics);
     let node = Node {
-        store,
+        store: stores.content,
         problems: Arc::new(Problems::new(metrics.clone())),
         metrics,
         readiness: Arc::new(Readiness::default()),
@@ -141,6 +151,9 @@ pub async fn serve(
         tracker: TaskTracker::new(),
     };
     hosts::check_containerd_config(&config, &node.problems);
+    if let Some(keep) = &keep {
+        keep.containerd_discards_layers(hosts::discards_layers(&config));
+    }
     let budgets = Budgets::for_this_process();
     tracing::info!(open_files = budgets.open_files, "open-file limit");
     if let Some(detail) = budgets.shortfall() {
@@ -181,6 +194,7 @@ pub async fn serve(
         filters: config.registry_filters.clone(),
         coalesce: coalesce.clone(),
         recent: recent.clone(),
+        keep: keep.clone(),
     };
     // A request without a slot gets a 404: containerd and peers go to their next source.
     let mirror_router = registry::mirror::router(mirror);
@@ -202,6 +216,7 @@ pub async fn serve(
             upload_limit: config
                 .peer_upload_limit
                 .map(|rate| Arc::new(Pace::new(rate))),
+            keep: keep.clone(),
         };
         let peer_budget = (budgets.peer, StatusCode::NOT_FOUND);
         node.spawn_server(
@@ -212,6 +227,7 @@ pub async fn serve(
         );
     }
     let sources = ops::Sources {
+        keep: keep.clone(),
         readiness: node.readiness.clone(),
         metrics: node.metrics.clone(),
         problems: node.problems.clone(),

@@ -9,6 +9,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::coalesce::CoalesceConfig;
 use crate::config::{Config, DEFAULT_PEER_PORT};
+use crate::keep::{KeepConfig, Keeper};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap};
 use crate::metrics::Metrics;
 use crate::net::budget::Budgets;
@@ -21,6 +22,7 @@ use crate::routing::p2p::{
     ConnectionCaps, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, PER_IP, ProvideTiming, REPLICAS,
 };
 use crate::routing::sync::SyncConfig;
+use crate::store::{ContentStore, Holder};
 use crate::trust::ClusterSecret;
 
 /// The bound sockets, so that tests can bind port 0 and start-up order stays explicit.
@@ -31,6 +33,42 @@ pub struct Listeners {
     pub peer: Option<TcpListener>,
     pub ops: TcpListener,
 }
+
+/// Where content is read, and where it is held for peers (`None`: nothing is held).
+#[expect(missing_debug_implementations, reason = "trait objects without Debug")]
+pub struct Stores {
+    pub content: Arc<dyn ContentStore>,
+    pub holder: Option<Arc<dyn Holder>>,
+}
+
+/// Ferry's lease, unless `--keep-budget 0`; a share is of the content filesystem's size.
+pub(super) fn keeper(
+    config: &Config,
+    holder: Option<Arc<dyn Holder>>,
+    metrics: &Arc<Metrics>,
+) -> Option<Keeper> {
+    let holder = holder.filter(|_| config.keeps())?;
+    let fs_bytes = match rustix::fs::statvfs(&config.containerd_content_dir) {
+        Ok(fs) => fs.f_blocks.saturating_mul(fs.f_frsize),
+        Err(e) => {
+            tracing::warn!(dir = %config.containerd_content_dir.display(), error = %e, "cannot read the content filesystem's size; keeping at most 10 GiB");
+            FALLBACK_FS_BYTES
+        }
+    };
+    let budget = config.keep_budget.bytes(fs_bytes);
+    tracing::info!(
+        budget,
+        "keeping what this node pulls shareable in a containerd lease"
+    );
+    Some(Keeper::spawn(
+        holder,
+        KeepConfig::new(budget),
+        metrics.clone(),
+    ))
+}
+
+/// The filesystem taken to be this big when its size cannot be read: 10% of it is 10 GiB.
+const FALLBACK_FS_BYTES: u64 = 100 << 30;
 
 /// How this node finds content on other nodes.
 #[expect(

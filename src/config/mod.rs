@@ -17,7 +17,7 @@ mod values;
 
 pub use file::{REPLACED, read as read_file};
 use values::*;
-pub use values::{Optional, duration, log_filter, size};
+pub use values::{KeepBudget, Optional, duration, log_filter, size};
 
 /// The settings. Defaults are clap's, so `--help` shows them.
 #[derive(Debug, Clone, PartialEq, Eq, Args)]
@@ -108,6 +108,10 @@ pub struct Config {
     /// (e.g. 50MiB); empty or 0: no limit
     #[arg(long, value_name = "SIZE", default_value = "", hide_default_value = true, value_parser = upload_limit)]
     pub peer_upload_limit: Optional<u64>,
+    /// Disk this node's lease may keep for peers beyond what its images keep: a size (20GiB) or
+    /// a share of the content filesystem (10%); 0: no lease
+    #[arg(long, value_name = "SIZE|%", default_value = "10%", value_parser = keep_budget)]
+    pub keep_budget: KeepBudget,
     /// Lifetime of this node's provider records in the DHT
     #[arg(long, value_name = "DUR", default_value = "30m", value_parser = duration)]
     pub provide_ttl: Duration,
@@ -150,6 +154,16 @@ pub struct Config {
     /// A level (info, debug, ...) or a tracing filter such as `ferry=debug`
     #[arg(long, value_name = "LEVEL", default_value = "info", value_parser = log_level)]
     pub log_level: String,
+}
+
+impl Config {
+    /// Whether Ferry holds what it pulls in a lease of its own (`keep/`).
+    pub fn keeps(&self) -> bool {
+        !matches!(
+            self.keep_budget,
+            KeepBudget::Bytes(0) | KeepBudget::Share(0)
+        )
+    }
 }
 
 /// Other nodes' p2p addresses. (An alias, so that clap takes the list as one value.)

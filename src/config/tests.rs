@@ -191,6 +191,8 @@ fn bad_filters_and_intervals_name_their_key() {
             &["--verify-before-serving", "lots"],
             "verify-before-serving",
         ),
+        (&["--keep-budget", "150%"], "keep-budget"),
+        (&["--keep-budget", "some"], "keep-budget"),
     ] {
         assert_eq!(bad_key(args), key, "{args:?}");
     }
@@ -199,7 +201,7 @@ fn bad_filters_and_intervals_name_their_key() {
 #[test]
 fn every_key_has_a_default_and_an_environment_variable() {
     let keys = Config::keys();
-    assert_eq!(keys.len(), 41);
+    assert_eq!(keys.len(), 42);
     assert!(keys.contains(&("relay-fanout".into(), "2".into())));
     assert!(keys.contains(&("peer-addr".into(), "".into())));
 }
@@ -222,4 +224,14 @@ fn wildcard_mirror_is_reached_over_loopback() {
     ])
     .unwrap();
     assert_eq!(c.mirror_url(), "http://[::1]:6000");
+}
+
+#[test]
+fn a_keep_budget_is_a_size_or_a_share_of_the_filesystem() {
+    let with = |v: &str| settings(["--keep-budget", v]).unwrap();
+    assert_eq!(with("10%").keep_budget.bytes(1000), 100);
+    assert_eq!(with("20GiB").keep_budget.bytes(1), 20 << 30);
+    assert!(!with("0").keeps());
+    assert!(!with("0%").keeps());
+    assert!(settings([]).unwrap().keeps(), "on by default");
 }

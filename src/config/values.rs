@@ -43,6 +43,38 @@ pub fn size(v: &str) -> Parsed<u64> {
         .map_err(|_| format!("{v:?} is not a size such as 4194304, 512KiB or 4MiB"))
 }
 
+/// How much disk Ferry's lease may take (`keep/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepBudget {
+    Bytes(u64),
+    /// A share of the content filesystem's size, in percent.
+    Share(u8),
+}
+
+impl KeepBudget {
+    /// In bytes, on a filesystem of `fs_bytes`.
+    pub fn bytes(self, fs_bytes: u64) -> u64 {
+        match self {
+            KeepBudget::Bytes(n) => n,
+            KeepBudget::Share(p) => (u128::from(fs_bytes) * u128::from(p) / 100) as u64,
+        }
+    }
+}
+
+/// `10%` of the content filesystem, or a size; `0`: none.
+pub(super) fn keep_budget(v: &str) -> Parsed<KeepBudget> {
+    let v = v.trim();
+    match v.strip_suffix('%') {
+        Some(p) => match p.trim().parse::<u8>() {
+            Ok(p) if p <= 100 => Ok(KeepBudget::Share(p)),
+            _ => Err(format!(
+                "{v:?} is not a share such as 10% (a whole 0 to 100)"
+            )),
+        },
+        None => size(v).map(KeepBudget::Bytes),
+    }
+}
+
 /// A rate in bytes per second; `0` (or empty) is no limit.
 pub(super) fn upload_limit(v: &str) -> Parsed<Option<u64>> {
     Ok(optional(size)(v)?.filter(|&n| n > 0))

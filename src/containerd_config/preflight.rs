@@ -41,6 +41,9 @@ impl std::ops::Deref for Warning {
     }
 }
 
+/// containerd deletes layers once unpacked: only a problem when Ferry holds nothing.
+pub const DISCARD: &str = "discard_unpacked_layers";
+
 /// CRI plugin tables: config version 2, and version 3 (containerd 2.x).
 const CRI_V2: &str = "io.containerd.grpc.v1.cri";
 const CRI_V3_IMAGES: &str = "io.containerd.cri.v1.images";

@@ -190,6 +190,10 @@ pub struct Metrics {
     pub inflight_bytes: Counter,
     pub relayed_bytes: Counter,
     pub zero_copy_bytes: Counter,
+    pub kept_blobs: Gauge,
+    pub kept_alone_bytes: Gauge,
+    pub keep_budget_bytes: Gauge,
+    pub keep_released: Counter,
     pub follow_wait: Histogram,
     pub corrupt_blobs: Counter,
     pub config_problems: Family<ProblemLabels, Gauge>,
@@ -254,6 +258,8 @@ impl Metrics {
         let inflight_bytes = Counter::default();
         let relayed_bytes = Counter::default();
         let zero_copy_bytes = Counter::default();
+        let (kept_blobs, kept_alone_bytes) = (Gauge::default(), Gauge::default());
+        let (keep_budget_bytes, keep_released) = (Gauge::default(), Counter::default());
         let follow_wait = Histogram::new(DURATION_BUCKETS);
         let corrupt_blobs = Counter::default();
         registry.register(
@@ -400,6 +406,26 @@ impl Metrics {
             relayed_bytes.clone(),
         );
         registry.register(
+            "kept_blobs",
+            "Blobs held in Ferry's containerd lease for peers",
+            kept_blobs.clone(),
+        );
+        registry.register(
+            "kept_alone_bytes",
+            "Bytes of held blobs that only Ferry's lease keeps (no image does): the disk it costs",
+            kept_alone_bytes.clone(),
+        );
+        registry.register(
+            "keep_budget_bytes",
+            "The most kept_alone_bytes may reach (--keep-budget)",
+            keep_budget_bytes.clone(),
+        );
+        registry.register(
+            "keep_released",
+            "Held blobs let go to stay within the keep budget",
+            keep_released.clone(),
+        );
+        registry.register(
             "zero_copy_bytes",
             "Blob bytes sent to other nodes with sendfile, straight from the page cache (also counted in ferry_served_bytes_total)",
             zero_copy_bytes.clone(),
@@ -517,6 +543,10 @@ impl Metrics {
             inflight_bytes,
             relayed_bytes,
             zero_copy_bytes,
+            kept_blobs,
+            kept_alone_bytes,
+            keep_budget_bytes,
+            keep_released,
             follow_wait,
             corrupt_blobs,
             config_problems,

@@ -183,6 +183,9 @@ fn render(st: &Status, now: u64, peering: bool) -> String {
             }
         }
     }
+    if let Some(keep) = &st.keep {
+        let _ = write!(o, "<p>{}</p>", esc(&keep.line(super::status::human)));
+    }
     if !st.in_flight.is_empty() {
         o.push_str("<h2>Downloads in a rollout</h2><table><tr><th>digest</th><th>role</th><th>source</th><th>followers</th><th>since</th></tr>");
         for p in &st.in_flight {
@@ -308,6 +311,7 @@ mod tests {
             lookup_wait_ms: None,
             lookups_found_late: 0,
             corrupt_blobs: 0,
+            keep: None,
             recent: vec![],
         };
         let page = render(&st, 0, false);

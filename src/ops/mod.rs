@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use crate::coalesce::Coalescer;
+use crate::keep::Keeper;
 use crate::metrics::Metrics;
 use crate::ops::problems::Problems;
 use crate::registry::peer::PeerFetcher;
@@ -76,6 +77,8 @@ pub struct Sources {
     pub exposed: Option<tokio::sync::watch::Receiver<crate::routing::sync::Exposed>>,
     /// `None` when coalescing is off.
     pub coalesce: Option<Arc<Coalescer>>,
+    /// `None` without a lease.
+    pub keep: Option<Keeper>,
     pub debug_page: bool,
     pub node: Option<String>,
 }
@@ -178,6 +181,7 @@ pub fn status(s: &Sources) -> Status {
             })
             .unwrap_or_default(),
         served: status::served(&s.metrics),
+        keep: s.keep.as_ref().map(Keeper::status),
         lookup_wait_ms: s
             .peers
             .as_ref()

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::coalesce::InFlightPart;
+use crate::keep::KeepStatus;
 use crate::metrics::{self, Metrics, SourceLabels};
 use crate::registry::recent::Pull;
 
@@ -35,6 +36,9 @@ pub struct Status {
     #[serde(default)]
     pub lookups_found_late: u64,
     pub corrupt_blobs: u64,
+    /// `None` without a lease (`--keep-budget 0`).
+    #[serde(default)]
+    pub keep: Option<KeepStatus>,
     /// Newest first.
     pub recent: Vec<Pull>,
 }
@@ -176,6 +180,10 @@ impl Status {
             for p in &self.in_flight {
                 out.push_str(&format!("  {}\n", in_flight_line(p)));
             }
+        }
+        if let Some(keep) = &self.keep {
+            out.push_str(&keep.line(human));
+            out.push('\n');
         }
         if self.corrupt_blobs > 0 {
             out.push_str(&format!(
@@ -339,6 +347,15 @@ mod tests {
             lookup_wait_ms: Some(87),
             lookups_found_late: 3,
             corrupt_blobs: 0,
+            keep: Some(KeepStatus {
+                containerd_discards_layers: true,
+                lease: Some("ferry-holds-1".into()),
+                held: 9,
+                held_alone: 3,
+                held_alone_bytes: 12 << 20,
+                budget_bytes: 20 << 30,
+                released: 1,
+            }),
             recent: vec![Pull {
                 at: 100,
                 kind: "blob".into(),
@@ -363,6 +380,7 @@ mod tests {
             "thanks to peers: 3.0 MiB",
             "5s ago",
             "1.0 MiB  r/app@sha256:ab",
+            "kept for peers: 9 blobs in Ferry's containerd lease, 3 of them (12.0 MiB) kept by it alone, budget 20.0 GiB, 1 let go (containerd discards unpacked layers: these stay shareable)",
         ] {
             assert!(text.contains(part), "{part:?} in:\n{text}");
         }

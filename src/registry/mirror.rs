@@ -21,6 +21,7 @@ use super::upstream::{UpstreamWatch, Verdict};
 use super::{ApiError, Source};
 use crate::coalesce::transfers::Transfer;
 use crate::coalesce::{Coalescer, Decision};
+use crate::keep::Keeper;
 use crate::metrics::{Metrics, TagLabels};
 use crate::oci::registry::{Registries, RegistryFilters};
 use crate::oci::{ApiPath, Digest, Reference};
@@ -43,6 +44,8 @@ pub struct MirrorState {
     pub coalesce: Option<Arc<Coalescer>>,
     /// For `ferry status`.
     pub recent: Arc<RecentPulls>,
+    /// Holds what containerd asks for in Ferry's lease; `None` with `--keep-budget 0`.
+    pub keep: Option<Keeper>,
 }
 
 impl std::fmt::Debug for MirrorState {
@@ -269,6 +272,9 @@ async fn by_digest(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let state = &mirror.state;
+    if let Some(keep) = &state.keep {
+        keep.asked(digest);
+    }
     let what = || format!("{}/{name}@{digest}", req.ns.as_deref().unwrap_or("-"));
     match local(mirror, req, name, digest, kind).await {
         Ok(response) => return Ok(served_by(state, req, what(), kind, Source::Local, response)),

@@ -26,6 +26,7 @@ use super::zero_copy;
 use super::{ApiError, Source};
 use crate::coalesce::relay::Relayed;
 use crate::coalesce::{Coalescer, Role};
+use crate::keep::Keeper;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::net::limits::{self, LogEvery};
 use crate::net::pace::{self, Pace};
@@ -56,6 +57,8 @@ pub struct PeerApiState {
     pub zero_copy: bool,
     /// Paces every answer's body; then no zero-copy, since `sendfile` bypasses the pacing.
     pub(crate) upload_limit: Option<Arc<Pace>>,
+    /// Told what peers are served, so it is kept longest.
+    pub keep: Option<Keeper>,
 }
 
 impl std::fmt::Debug for PeerApiState {
@@ -189,6 +192,9 @@ async fn stored_blob(
         && integrity.check(digest).await == Check::Bad
     {
         return Err(ApiError::BlobUnknown);
+    }
+    if let Some(keep) = &api.state.keep {
+        keep.served(digest);
     }
     api.local
         .blob(req.head, &req.headers, digest, zero_copy)

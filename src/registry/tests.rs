@@ -79,6 +79,7 @@ async fn call_at(
             filters: Default::default(),
             coalesce: None,
             recent: Default::default(),
+            keep: None,
         }),
         Address::Peer => {
             let keys: BTreeSet<String> = [
@@ -99,6 +100,7 @@ async fn call_at(
                 integrity: None,
                 zero_copy: true,
                 upload_limit: None,
+                keep: None,
             })
         }
     };

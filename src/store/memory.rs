@@ -1,6 +1,6 @@
 //! An in-memory [`ContentStore`] for unit tests of the logic above the store.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -14,7 +14,9 @@ use tokio_stream::wrappers::BroadcastStream;
 use tokio::time::Instant;
 
 use super::downloads::{Download, InFlight, POLL, Scope};
-use super::{ByteStream, Change, ChangeStream, ContentStore, Descriptor, ImageRecord, StoreError};
+use super::{
+    ByteStream, Change, ChangeStream, ContentStore, Descriptor, Holder, ImageRecord, StoreError,
+};
 use crate::oci::{ByteRange, Digest};
 
 /// Content and image names held in memory. Cloning shares nothing; wrap it in an `Arc`.
@@ -48,6 +50,8 @@ struct Inner {
     landed_elsewhere: HashMap<Digest, Bytes>,
     /// When each blob landed.
     landed_at: HashMap<Digest, Instant>,
+    /// [`Holder`]'s holds: lease, digests.
+    holds: HashMap<String, HashSet<Digest>>,
 }
 
 /// Small, so that tests exercise multi-chunk streams.
@@ -417,5 +421,48 @@ impl ContentStore for MemoryStore {
         let stream = BroadcastStream::new(self.changes.subscribe())
             .map(|change| change.unwrap_or(Change::Unknown));
         Ok(Box::pin(stream))
+    }
+}
+
+/// Holds as containerd keeps them, without garbage collection: every landed held blob is
+/// held alone.
+#[async_trait::async_trait]
+impl Holder for MemoryStore {
+    async fn open(&self) -> Result<(String, Vec<Digest>), StoreError> {
+        let mut inner = self.write();
+        let held: HashSet<Digest> = inner.holds.drain().flat_map(|(_, h)| h).collect();
+        let id = format!("memory-{}", held.len());
+        inner.holds.insert(id.clone(), held.clone());
+        Ok((id, held.into_iter().collect()))
+    }
+
+    async fn hold(&self, lease: &str, digest: &Digest) -> Result<(), StoreError> {
+        let mut inner = self.write();
+        let held = inner.holds.get_mut(lease).ok_or(StoreError::NotFound)?;
+        held.insert(digest.clone());
+        Ok(())
+    }
+
+    async fn release(&self, lease: &str, digest: &Digest) -> Result<(), StoreError> {
+        let mut inner = self.write();
+        if let Some(held) = inner.holds.get_mut(lease) {
+            held.remove(digest);
+        }
+        Ok(())
+    }
+
+    async fn held_alone(&self, held: &[Digest]) -> Result<Vec<(Digest, u64)>, StoreError> {
+        let inner = self.read();
+        Ok(held
+            .iter()
+            .filter_map(|d| Some((d.clone(), inner.blobs.get(d)?.len() as u64)))
+            .collect())
+    }
+
+    async fn end(&self) -> Result<usize, StoreError> {
+        let mut inner = self.write();
+        let n = inner.holds.len();
+        inner.holds.clear();
+        Ok(n)
     }
 }

@@ -65,6 +65,28 @@ pub enum StoreError {
     Io(#[from] std::io::Error),
 }
 
+/// Blobs this node holds for its peers in a lease of its own (`keep/`), so that containerd's
+/// garbage collector leaves them, whatever the images' labels say. Ended by `ferry cleanup`.
+#[async_trait::async_trait]
+pub trait Holder: Send + Sync + 'static {
+    /// Takes over the holds a previous start left (renewing their expiry); returns the lease
+    /// and what it holds.
+    async fn open(&self) -> Result<(String, Vec<Digest>), StoreError>;
+
+    /// Holds `digest`, also before it lands: a hold taken at the request wins the race with
+    /// the collector that runs when the pull ends.
+    async fn hold(&self, lease: &str, digest: &Digest) -> Result<(), StoreError>;
+
+    async fn release(&self, lease: &str, digest: &Digest) -> Result<(), StoreError>;
+
+    /// The size of each of `held` that only the hold keeps (landed, and no image's garbage
+    /// collection references reach it); the others cost no disk of their own.
+    async fn held_alone(&self, held: &[Digest]) -> Result<Vec<(Digest, u64)>, StoreError>;
+
+    /// Ends every hold of this node; returns how many leases went.
+    async fn end(&self) -> Result<usize, StoreError>;
+}
+
 /// The content a node can serve.
 #[async_trait::async_trait]
 pub trait ContentStore: Send + Sync + 'static {

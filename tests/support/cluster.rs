@@ -52,10 +52,37 @@ impl Node {
         mirror: SocketAddr,
         args: &[&str],
     ) -> Node {
+        Self::start_full(net, dir, name, host, registry, mirror, args, false)
+    }
+
+    /// As [`Node::start`], its containerd discarding layers once unpacked.
+    pub fn start_discarding(
+        net: &mut Net,
+        dir: &Path,
+        name: &str,
+        host: u8,
+        registry: SocketAddr,
+        args: &[&str],
+    ) -> Node {
+        let loopback = "127.0.0.1:5480".parse().expect("addr");
+        Self::start_full(net, dir, name, host, registry, loopback, args, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_full(
+        net: &mut Net,
+        dir: &Path,
+        name: &str,
+        host: u8,
+        registry: SocketAddr,
+        mirror: SocketAddr,
+        args: &[&str],
+        discard: bool,
+    ) -> Node {
         let ns = net.add_host(name, host);
         let ip = net.host_ip(host);
         let node_dir = dir.join(name);
-        let containerd = Containerd::start_in(&node_dir, Some(&ns));
+        let containerd = Containerd::start_in_with(&node_dir, Some(&ns), discard);
         let own = containerd.hosts_dir.join(registry.to_string());
         std::fs::create_dir_all(&own).expect("hosts dir");
         // containerd 1.6 and 1.7 cannot read a `]` in a table header: there an IPv6 host is

@@ -233,12 +233,24 @@ pub fn containerd_major() -> u32 {
     })
 }
 
+/// containerd 2.x moves this table to its images plugin only when it has runtimes.
+const DISCARD: &str = r#"  discard_unpacked_layers = true
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+"#;
+
 impl Containerd {
     pub fn start(dir: &Path) -> Containerd {
         Self::start_in(dir, None)
     }
 
     pub fn start_in(dir: &Path, netns: Option<&str>) -> Containerd {
+        Self::start_in_with(dir, netns, false)
+    }
+
+    /// As [`Containerd::start_in`]; with `discard`, the CRI plugin deletes layers once
+    /// unpacked (`discard_unpacked_layers`, as EKS's AL2023 nodes and Talos set it).
+    pub fn start_in_with(dir: &Path, netns: Option<&str>, discard: bool) -> Containerd {
         require("containerd");
         require("ctr");
         std::fs::create_dir_all(dir).expect("containerd dir");
@@ -257,7 +269,7 @@ state = "{d}/state"
   path = "{d}/opt"
 [plugins."io.containerd.grpc.v1.cri".containerd]
   snapshotter = "native"
-# Collect garbage after every deletion. The default (0) leaves it to a timer that waits
+{discard}# Collect garbage after every deletion. The default (0) leaves it to a timer that waits
 # 50x the last collection's pause: seconds on a loaded machine, during which a removed blob's
 # file stays and a new pull takes it without fetching (the "shared" content policy).
 [plugins."io.containerd.gc.v1.scheduler"]
@@ -272,7 +284,8 @@ state = "{d}/state"
 "#,
             d = dir.display(),
             sock = socket.display(),
-            hosts = hosts_dir.display()
+            hosts = hosts_dir.display(),
+            discard = if discard { DISCARD } else { "" },
         );
         std::fs::write(&config, text).expect("containerd config");
         let mut c = Containerd {

@@ -4,6 +4,7 @@
 mod channel;
 pub mod files;
 mod ingest;
+pub mod lease;
 
 pub use files::blob_path;
 

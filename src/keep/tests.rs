@@ -1,0 +1,67 @@
+use super::*;
+use crate::store::memory::MemoryStore;
+
+fn keeper(store: &Arc<MemoryStore>, budget: u64) -> Keeper {
+    let mut config = KeepConfig::new(budget);
+    config.check_every = Duration::from_secs(3600);
+    config.check_after_holds = Duration::from_secs(3600);
+    Keeper::spawn(store.clone(), config, Arc::new(Metrics::new()))
+}
+
+async fn settled(keeper: &Keeper) -> KeepStatus {
+    keeper.check().await;
+    keeper.status()
+}
+
+#[tokio::test(start_paused = true)]
+async fn what_containerd_asks_for_is_held_even_before_it_lands() {
+    let store = Arc::new(MemoryStore::new());
+    let keep = keeper(&store, 1 << 20);
+    let later = Digest::sha256_of(b"lands later");
+    keep.asked(&later);
+    let status = settled(&keep).await;
+    assert_eq!(status.held, 1);
+    assert_eq!(status.held_alone, 0, "nothing landed: it costs nothing");
+    let landed = store.put(vec![7u8; 1000]);
+    keep.asked(&landed);
+    let status = settled(&keep).await;
+    assert_eq!(
+        (status.held, status.held_alone, status.held_alone_bytes),
+        (2, 1, 1000)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn over_the_budget_the_least_recently_used_go_first() {
+    let store = Arc::new(MemoryStore::new());
+    let keep = keeper(&store, 2500);
+    let blobs: Vec<Digest> = (0..3u8).map(|i| store.put(vec![i; 1000])).collect();
+    for d in &blobs {
+        keep.asked(d);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    // The oldest is used again: the second is now the least recently used.
+    keep.served(&blobs[0]);
+    let status = settled(&keep).await;
+    assert_eq!(
+        (status.held, status.held_alone_bytes, status.released),
+        (2, 2000, 1)
+    );
+    let (_, held) = Holder::open(&*store).await.unwrap();
+    assert!(held.contains(&blobs[0]) && held.contains(&blobs[2]));
+    assert!(!held.contains(&blobs[1]), "the least recently used went");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_takes_over_what_the_last_one_held() {
+    let store = Arc::new(MemoryStore::new());
+    let first = keeper(&store, 1 << 20);
+    let d = store.put(vec![1u8; 10]);
+    first.asked(&d);
+    settled(&first).await;
+    drop(first);
+    let second = keeper(&store, 1 << 20);
+    let status = settled(&second).await;
+    assert_eq!(status.held, 1);
+    assert_eq!(Holder::end(&*store).await.unwrap(), 1, "one lease to end");
+}

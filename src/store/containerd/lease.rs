@@ -1,0 +1,205 @@
+//! Ferry's holds as a containerd lease: content a lease references stays, whatever the
+//! images' garbage-collection labels say (`discard_unpacked_layers` drops the layers' ones).
+//!
+//! Invariant: every lease Ferry creates carries [`OWNER`] and an expiry
+//! (`containerd.io/gc.expire`), renewed at each open, so a lease left by a Ferry that never
+//! comes back goes on its own.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use containerd_client::services::v1::content_client::ContentClient;
+use containerd_client::services::v1::leases_client::LeasesClient;
+use containerd_client::services::v1::{
+    AddResourceRequest, CreateRequest, DeleteRequest, DeleteResourceRequest, InfoRequest,
+    ListRequest, ListResourcesRequest, Resource,
+};
+use containerd_client::tonic::Code;
+
+use super::{ContainerdStore, status_error};
+use crate::oci::Digest;
+use crate::store::{ContentStore, Holder, StoreError};
+
+/// The label that marks a lease as Ferry's.
+pub const OWNER: &str = "ferry.dev/holds";
+const EXPIRE: &str = "containerd.io/gc.expire";
+/// How long a lease outlives the last Ferry that renewed it.
+pub const EXPIRY: Duration = Duration::from_secs(7 * 24 * 3600);
+const GC_REF: &str = "containerd.io/gc.ref.content";
+
+fn content(digest: &str) -> Resource {
+    Resource {
+        id: digest.to_string(),
+        r#type: "content".to_string(),
+    }
+}
+
+impl ContainerdStore {
+    fn leases(&self) -> LeasesClient<containerd_client::tonic::transport::Channel> {
+        LeasesClient::new(self.channel.clone())
+    }
+
+    async fn own_leases(&self) -> Result<Vec<String>, StoreError> {
+        let leases = self
+            .leases()
+            .list(self.request(ListRequest { filters: vec![] }))
+            .await
+            .map_err(status_error)?
+            .into_inner()
+            .leases;
+        Ok(leases
+            .into_iter()
+            .filter(|l| l.labels.contains_key(OWNER))
+            .map(|l| l.id)
+            .collect())
+    }
+
+    async fn resources(&self, lease: &str) -> Result<Vec<String>, StoreError> {
+        let resources = self
+            .leases()
+            .list_resources(self.request(ListResourcesRequest {
+                id: lease.to_string(),
+            }))
+            .await
+            .map_err(status_error)?
+            .into_inner()
+            .resources;
+        Ok(resources
+            .into_iter()
+            .filter(|r| r.r#type == "content")
+            .map(|r| r.id)
+            .collect())
+    }
+
+    /// The content garbage collection keeps through the images: their targets and every
+    /// `gc.ref.content` label below them.
+    async fn referenced(&self) -> Result<HashSet<String>, StoreError> {
+        let mut todo: Vec<String> = self
+            .images()
+            .await?
+            .into_iter()
+            .map(|i| i.target.digest.to_string())
+            .collect();
+        let mut seen = HashSet::new();
+        let mut client = ContentClient::new(self.channel.clone());
+        while let Some(digest) = todo.pop() {
+            if !seen.insert(digest.clone()) {
+                continue;
+            }
+            let info = match client.info(self.request(InfoRequest { digest })).await {
+                Ok(r) => r.into_inner().info,
+                Err(e) if e.code() == Code::NotFound => continue,
+                Err(e) => return Err(status_error(e)),
+            };
+            let labels = info.map(|i| i.labels).unwrap_or_default();
+            todo.extend(
+                labels
+                    .into_iter()
+                    .filter(|(k, _)| k.starts_with(GC_REF))
+                    .map(|(_, v)| v),
+            );
+        }
+        Ok(seen)
+    }
+}
+
+#[async_trait::async_trait]
+impl Holder for ContainerdStore {
+    async fn open(&self) -> Result<(String, Vec<Digest>), StoreError> {
+        let now = SystemTime::now();
+        let stamp = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let id = format!("ferry-holds-{stamp}");
+        let expire = humantime::format_rfc3339_seconds(now + EXPIRY).to_string();
+        let labels: HashMap<String, String> = [
+            (OWNER.to_string(), "1".to_string()),
+            (EXPIRE.to_string(), expire),
+        ]
+        .into();
+        let old = self.own_leases().await?;
+        self.leases()
+            .create(self.request(CreateRequest {
+                id: id.clone(),
+                labels,
+            }))
+            .await
+            .map_err(status_error)?;
+        let mut held = HashSet::new();
+        // Moved before the old lease goes, so nothing is ever unheld in between.
+        for lease in old {
+            for digest in self.resources(&lease).await? {
+                if held.insert(digest.clone()) {
+                    self.hold(&id, &digest.parse().map_err(|_| StoreError::NotFound)?)
+                        .await?;
+                }
+            }
+            self.delete_lease(&lease, false).await?;
+        }
+        Ok((
+            id,
+            held.into_iter().filter_map(|d| d.parse().ok()).collect(),
+        ))
+    }
+
+    async fn hold(&self, lease: &str, digest: &Digest) -> Result<(), StoreError> {
+        self.leases()
+            .add_resource(self.request(AddResourceRequest {
+                id: lease.to_string(),
+                resource: Some(content(&digest.to_string())),
+            }))
+            .await
+            .map_err(status_error)?;
+        Ok(())
+    }
+
+    async fn release(&self, lease: &str, digest: &Digest) -> Result<(), StoreError> {
+        self.leases()
+            .delete_resource(self.request(DeleteResourceRequest {
+                id: lease.to_string(),
+                resource: Some(content(&digest.to_string())),
+            }))
+            .await
+            .map_err(status_error)?;
+        Ok(())
+    }
+
+    async fn held_alone(&self, held: &[Digest]) -> Result<Vec<(Digest, u64)>, StoreError> {
+        let referenced = self.referenced().await?;
+        let mut alone = Vec::new();
+        for digest in held {
+            if referenced.contains(&digest.to_string()) {
+                continue;
+            }
+            match self.info(digest).await {
+                Ok(size) => alone.push((digest.clone(), size)),
+                Err(StoreError::NotFound) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(alone)
+    }
+
+    async fn end(&self) -> Result<usize, StoreError> {
+        let leases = self.own_leases().await?;
+        for lease in &leases {
+            self.delete_lease(lease, true).await?;
+        }
+        Ok(leases.len())
+    }
+}
+
+impl ContainerdStore {
+    async fn delete_lease(&self, lease: &str, sync: bool) -> Result<(), StoreError> {
+        match self
+            .leases()
+            .delete(self.request(DeleteRequest {
+                id: lease.to_string(),
+                sync,
+            }))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Code::NotFound => Ok(()),
+            Err(e) => Err(status_error(e)),
+        }
+    }
+}

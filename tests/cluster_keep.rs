@@ -1,0 +1,193 @@
+//! Layers stay shareable where containerd discards them once unpacked
+//! (`discard_unpacked_layers = true`, as on EKS's AL2023 nodes and Talos): Ferry holds what its
+//! node pulls in a containerd lease of its own, within `--keep-budget`, and `ferry cleanup`
+//! ends the lease. Pulls go through CRI `PullImage`, as the kubelet's do (only the CRI plugin
+//! discards).
+
+#![allow(clippy::unwrap_used)] // test helpers panic by design
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use support::cluster::{Node, P2P_PORT, registry_host};
+use support::netns::Net;
+use support::*;
+
+const LAYERS: usize = 3;
+const LAYER_BYTES: usize = 4 * 1024 * 1024;
+
+fn cri_pull(node: &Node, reference: &str) {
+    if let Err(out) = node.cri_pull(reference) {
+        panic!("CRI PullImage on {} failed: {out}", node.name);
+    }
+}
+
+fn has(node: &Node, digest: &str) -> bool {
+    node.committed_matches(digest)
+}
+
+/// Ferry's leases on `node`, as `ctr leases ls` lists them.
+fn ferry_leases(node: &Node) -> Vec<String> {
+    node.containerd
+        .ctr(&["-n", "k8s.io", "leases", "ls", "-q"])
+        .lines()
+        .filter(|l| l.starts_with("ferry-holds-"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// `ferry cleanup` on `node`, as the chart's uninstall runs it.
+fn cleanup(node: &Node) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &node.ns])
+        .arg(Ferry::bin())
+        .arg("cleanup")
+        .arg("--hosts-dir")
+        .arg(&node.containerd.hosts_dir)
+        .arg("--containerd-socket")
+        .arg(&node.containerd.socket)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ferry cleanup failed: {text}{err}");
+    text
+}
+
+/// A node without Ferry's lease keeps none of the layers (discarding is on in this
+/// containerd); one with it keeps every layer, and another node gets them all from it: the
+/// registry serves it nothing but the tag. `ferry cleanup` ends the lease, and containerd
+/// then drops the layers as it would have without Ferry; the image itself stays.
+#[test]
+fn layers_a_discarding_containerd_drops_stay_shareable_until_cleanup() {
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
+    let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
+    image.push(registry_addr, "team/app");
+    let reference = format!("{registry_addr}/team/app:v1");
+
+    // The control: the same containerd without Ferry's lease keeps no layer.
+    let off = ["--keep-budget", "0"];
+    let control = Node::start_discarding(&mut net, dir, "n0", 10, registry_addr, &off);
+    cri_pull(&control, &reference);
+    wait_for("the control node to discard its layers", || {
+        image.layers.iter().all(|l| !has(&control, l))
+    });
+    assert!(has(&control, &image.manifest), "the image stays");
+    drop(control);
+
+    let node1 = Node::start_discarding(&mut net, dir, "n1", 11, registry_addr, &[]);
+    cri_pull(&node1, &reference);
+    // Longer than the control took to discard: containerd collects after every deletion.
+    std::thread::sleep(Duration::from_secs(3));
+    for layer in &image.layers {
+        assert!(has(&node1, layer), "{layer} kept for peers");
+    }
+    assert_eq!(ferry_leases(&node1).len(), 1, "one lease of Ferry's");
+    assert!(node1.metric("ferry_kept_blobs") >= LAYERS as u64);
+    wait_for("node 1 to advertise every layer", || {
+        node1.metric("ferry_keys_advertised") >= (LAYERS + 3) as u64
+    });
+
+    let seed = format!("{}:{P2P_PORT}", node1.ip);
+    let node2 = Node::start(
+        &mut net,
+        dir,
+        "n2",
+        12,
+        registry_addr,
+        &["--bootstrap-peers", &seed],
+    );
+    wait_for("node 2 to find node 1", || {
+        node2.metric("ferry_peers_connected") >= 1
+    });
+    let before = registry.requests().len();
+    cri_pull(&node2, &reference);
+    let blobs: Vec<String> = registry.requests()[before..]
+        .iter()
+        .filter(|(_, _, uri)| uri.contains("/blobs/"))
+        .map(|(_, _, uri)| uri.clone())
+        .collect();
+    assert!(blobs.is_empty(), "the registry served blobs: {blobs:?}");
+    for digest in image.digests() {
+        assert!(
+            node2.committed_matches(&digest),
+            "{digest} correct on node 2"
+        );
+    }
+
+    // Uninstall: Ferry stops, cleanup ends the lease, containerd discards as configured.
+    let mut node1 = node1;
+    node1.ferry.stop();
+    let said = cleanup(&node1);
+    assert!(said.contains("lease removed"), "{said}");
+    assert!(ferry_leases(&node1).is_empty(), "no lease left");
+    wait_for("node 1's containerd to discard the layers", || {
+        image.layers.iter().all(|l| !has(&node1, l))
+    });
+    assert!(has(&node1, &image.manifest), "the image stays");
+    assert!(
+        cleanup(&node1).contains("no lease of ferry's"),
+        "twice is harmless"
+    );
+
+    drop(node2);
+    drop(node1);
+    drop(registry);
+    drop(tmp);
+    drop(net);
+}
+
+/// Three single-layer images pulled one after the other, the budget room for two layers:
+/// the first pulled goes, and what only the lease keeps never exceeds the budget. A
+/// restarted Ferry takes over the lease and what it holds.
+#[test]
+fn over_the_keep_budget_the_least_recently_pulled_goes_first() {
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
+    let budget = 2 * LAYER_BYTES + LAYER_BYTES / 2;
+    let budget_arg = budget.to_string();
+    let mut node = Node::start_discarding(
+        &mut net,
+        dir,
+        "n1",
+        11,
+        registry_addr,
+        &["--keep-budget", &budget_arg],
+    );
+    let mut layers = Vec::new();
+    for tag in ["a", "b", "c"] {
+        let image = Image::generate(&dir.join(tag), tag, 1, LAYER_BYTES);
+        image.push(registry_addr, "team/app");
+        cri_pull(&node, &format!("{registry_addr}/team/app:{tag}"));
+        layers.push(image.layers[0].clone());
+        // The budget is counted shortly after each pull's holds.
+        std::thread::sleep(Duration::from_secs(4));
+        assert!(node.metric("ferry_kept_alone_bytes") <= budget as u64);
+    }
+    wait_for("the first pulled layer to be let go", || {
+        !has(&node, &layers[0])
+    });
+    assert!(has(&node, &layers[1]) && has(&node, &layers[2]));
+    assert_eq!(node.metric("ferry_keep_released_total"), 1);
+    assert_eq!(node.metric("ferry_keep_budget_bytes"), budget as u64);
+
+    node.restart_ferry_with(&[]);
+    wait_for("the restarted Ferry to take over the lease", || {
+        node.metric("ferry_kept_blobs") >= 2
+    });
+    assert_eq!(ferry_leases(&node).len(), 1, "the old lease went");
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(has(&node, &layers[1]) && has(&node, &layers[2]));
+
+    drop(node);
+    drop(registry);
+    drop(tmp);
+    drop(net);
+}
