@@ -1,8 +1,8 @@
 //! Layers stay shareable where containerd discards them once unpacked
-//! (`discard_unpacked_layers = true`, as on EKS's AL2023 nodes and Talos): Ferry holds what its
-//! node pulls in a containerd lease of its own, within `--keep-budget`, and `ferry cleanup`
-//! ends the lease. Pulls go through CRI `PullImage`, as the kubelet's do (only the CRI plugin
-//! discards).
+//! (`discard_unpacked_layers = true`, as on EKS's AL2023 nodes and Talos) and after the
+//! kubelet removed their image: Ferry holds what its node pulls in a containerd lease of its
+//! own, within `--keep-budget`, and `ferry cleanup` ends the lease. Pulls go through CRI
+//! `PullImage`, as the kubelet's do (only the CRI plugin discards).
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -57,9 +57,9 @@ fn cleanup(node: &Node) -> String {
 }
 
 /// A node without Ferry's lease keeps none of the layers (discarding is on in this
-/// containerd); one with it keeps every layer, and another node gets them all from it: the
-/// registry serves it nothing but the tag. `ferry cleanup` ends the lease, and containerd
-/// then drops the layers as it would have without Ferry; the image itself stays.
+/// containerd); one with it keeps every layer, also once the kubelet removed the image, and
+/// another node gets them all from it: the registry serves it nothing but the tag. `ferry
+/// cleanup` ends the lease, and containerd then drops what only the lease kept.
 #[test]
 fn layers_a_discarding_containerd_drops_stay_shareable_until_cleanup() {
     let mut net = Net::new();
@@ -92,6 +92,16 @@ fn layers_a_discarding_containerd_drops_stay_shareable_until_cleanup() {
     wait_for("node 1 to advertise every layer", || {
         node1.metric("ferry_keys_advertised") >= (LAYERS + 3) as u64
     });
+    // The kubelet's image garbage collection: every blob stays held, served and advertised
+    // (only the tag goes, which is the registry's to answer anyway).
+    node1.cri_remove(&reference).unwrap();
+    wait_for("node 1 to withdraw the tag", || {
+        node1.metric("ferry_keys_advertised") == (LAYERS + 2) as u64
+    });
+    assert!(
+        node1.image_digest(&reference).is_empty(),
+        "the image is gone"
+    );
 
     let seed = format!("{}:{P2P_PORT}", node1.ip);
     let node2 = Node::start(
@@ -126,10 +136,10 @@ fn layers_a_discarding_containerd_drops_stay_shareable_until_cleanup() {
     let said = cleanup(&node1);
     assert!(said.contains("lease removed"), "{said}");
     assert!(ferry_leases(&node1).is_empty(), "no lease left");
-    wait_for("node 1's containerd to discard the layers", || {
-        image.layers.iter().all(|l| !has(&node1, l))
-    });
-    assert!(has(&node1, &image.manifest), "the image stays");
+    wait_for(
+        "node 1's containerd to free what only the lease kept",
+        || image.digests().iter().all(|d| !has(&node1, d)),
+    );
     assert!(
         cleanup(&node1).contains("no lease of ferry's"),
         "twice is harmless"
@@ -185,6 +195,31 @@ fn over_the_keep_budget_the_least_recently_pulled_goes_first() {
     assert_eq!(ferry_leases(&node).len(), 1, "the old lease went");
     std::thread::sleep(Duration::from_secs(3));
     assert!(has(&node, &layers[1]) && has(&node, &layers[2]));
+
+    drop(node);
+    drop(registry);
+    drop(tmp);
+    drop(net);
+}
+
+/// A blob deleted outright (`ctr content rm`, as an operator frees disk) is held no longer:
+/// containerd removes its file, as it would without Ferry.
+#[test]
+fn a_blob_deleted_outright_is_freed_despite_the_lease() {
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
+    let image = Image::generate(&dir.join("image"), "v1", LAYERS, LAYER_BYTES);
+    image.push(registry_addr, "team/app");
+    let reference = format!("{registry_addr}/team/app:v1");
+    let node = Node::start(&mut net, dir, "n1", 11, registry_addr, &[]);
+    node.try_pull(&reference).unwrap();
+    wait_for("node 1 to hold what it pulled", || {
+        node.metric("ferry_kept_blobs") >= (LAYERS + 2) as u64
+    });
+    node.forget(&reference, &image.digests());
+    wait_for("the holds to end", || node.metric("ferry_kept_blobs") == 0);
 
     drop(node);
     drop(registry);

@@ -214,6 +214,7 @@ fn memory_peering_verifying(
             registries: Registries::All,
             filters: RegistryFilters::default(),
             interval: Duration::from_secs(3600),
+            held: None,
         },
         secret: None,
     }

@@ -22,6 +22,7 @@ pub use setup::{Listeners, PeerSetup, Peering, Stores};
 
 use crate::config::Config;
 use crate::containerd_config;
+use crate::keep::Keeper;
 use crate::metrics::Metrics;
 use crate::net::budget::Budgets;
 use crate::net::listen;
@@ -141,7 +142,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let metrics = Arc::new(Metrics::new());
-    let keep = setup::keeper(&config, stores.holder, &metrics);
+    let keep = setup::keeper(&config, &stores, &metrics);
     let node = Node {
         store: stores.content,
         problems: Arc::new(Problems::new(metrics.clone())),
@@ -241,7 +242,8 @@ pub async fn serve(
     };
     let ops_budget = (budgets.ops, StatusCode::SERVICE_UNAVAILABLE);
     node.spawn_server("ops", listeners.ops, ops::router(sources), ops_budget);
-    node.spawn_loops(&config, peers, exposed_tx);
+    let held = keep.as_ref().map(Keeper::landed);
+    node.spawn_loops(&config, peers, exposed_tx, held);
     node.tracker.spawn(hosts::refresh_hosts(
         config,
         node.store.clone(),

@@ -129,6 +129,7 @@ impl Node {
         config: &Config,
         peers: Option<Peers>,
         exposed: tokio::sync::watch::Sender<sync::Exposed>,
+        held: Option<tokio::sync::watch::Receiver<sync::Held>>,
     ) {
         let (readiness, problems, token) = (&self.readiness, &self.problems, &self.token);
         if let Some(peers) = peers {
@@ -150,7 +151,8 @@ impl Node {
             self.tracker.spawn(first);
             let store = self.store.clone();
             let metrics = self.metrics.clone();
-            let advertise = sync::run(store, router, peers.sync, metrics, exposed, token.clone());
+            let config = sync::SyncConfig { held, ..peers.sync };
+            let advertise = sync::run(store, router, config, metrics, exposed, token.clone());
             self.tracker.spawn(advertise);
         }
         let (store, metrics) = (self.store.clone(), self.metrics.clone());

@@ -42,11 +42,8 @@ pub struct Stores {
 }
 
 /// Ferry's lease, unless `--keep-budget 0`; a share is of the content filesystem's size.
-pub(super) fn keeper(
-    config: &Config,
-    holder: Option<Arc<dyn Holder>>,
-    metrics: &Arc<Metrics>,
-) -> Option<Keeper> {
+pub(super) fn keeper(config: &Config, stores: &Stores, metrics: &Arc<Metrics>) -> Option<Keeper> {
+    let holder = stores.holder.clone();
     let holder = holder.filter(|_| config.keeps())?;
     let fs_bytes = match rustix::fs::statvfs(&config.containerd_content_dir) {
         Ok(fs) => fs.f_blocks.saturating_mul(fs.f_frsize),
@@ -60,11 +57,9 @@ pub(super) fn keeper(
         budget,
         "keeping what this node pulls shareable in a containerd lease"
     );
-    Some(Keeper::spawn(
-        holder,
-        KeepConfig::new(budget),
-        metrics.clone(),
-    ))
+    let store = stores.content.clone();
+    let keep = KeepConfig::new(budget);
+    Some(Keeper::spawn(holder, store, keep, metrics.clone()))
 }
 
 /// The filesystem taken to be this big when its size cannot be read: 10% of it is 10 GiB.
@@ -199,6 +194,7 @@ impl PeerSetup {
                 registries: config.registries.clone(),
                 filters: config.registry_filters.clone(),
                 interval: config.reprovide_interval,
+                held: None,
             },
             secret,
         })

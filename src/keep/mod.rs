@@ -5,22 +5,39 @@
 //! Invariant: one task owns the held set; a request never waits for it (a full queue drops
 //! the hold, which only costs a later peer a fetch upstream).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use futures::StreamExt;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
 use crate::oci::Digest;
-use crate::store::Holder;
+use crate::store::{Change, ChangeStream, ContentStore, HeldBlob, Holder};
+
+/// The held blobs that have landed, as last counted: served and advertised to peers, also
+/// once no image on the node names them.
+pub type Landed = Arc<BTreeSet<Digest>>;
 
 /// Holds waiting for the task; beyond it a hold is dropped.
 const QUEUE: usize = 4096;
 /// Held digests at most, landed or not (a hold taken at a request may never land): beyond
 /// it the least recently used go, so the lease cannot grow without end.
 const MAX_HELD: usize = 50_000;
+/// How soon a lost subscription to the store's changes is made again.
+const RESUBSCRIBE: Duration = Duration::from_secs(5);
+/// Deletions come in bursts (`ctr content rm` of a whole image): one collection after them.
+const COLLECT_AFTER: Duration = Duration::from_millis(200);
+
+/// Resolves at `at`; never without one.
+async fn later(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct KeepConfig {
@@ -72,6 +89,7 @@ enum Use {
 pub struct Keeper {
     tx: mpsc::Sender<Use>,
     status: Arc<Mutex<KeepStatus>>,
+    landed: watch::Receiver<Landed>,
 }
 
 impl std::fmt::Debug for Keeper {
@@ -83,23 +101,38 @@ impl std::fmt::Debug for Keeper {
 }
 
 impl Keeper {
-    pub fn spawn(holder: Arc<dyn Holder>, config: KeepConfig, metrics: Arc<Metrics>) -> Keeper {
+    /// `store` tells of blobs deleted outright (`ctr content rm`): their holds end at once, so
+    /// that containerd frees them.
+    pub fn spawn(
+        holder: Arc<dyn Holder>,
+        store: Arc<dyn ContentStore>,
+        config: KeepConfig,
+        metrics: Arc<Metrics>,
+    ) -> Keeper {
         let (tx, rx) = mpsc::channel(QUEUE);
         let status = Arc::new(Mutex::new(KeepStatus {
             budget_bytes: config.budget,
             ..KeepStatus::default()
         }));
         metrics.keep_budget_bytes.set(config.budget as i64);
+        let (landed_tx, landed) = watch::channel(Landed::default());
         let task = Task {
             holder,
+            store,
             config,
             metrics,
             status: status.clone(),
             lease: None,
             held: HashMap::new(),
+            landed: landed_tx,
         };
         tokio::spawn(task.run(rx));
-        Keeper { tx, status }
+        Keeper { tx, status, landed }
+    }
+
+    /// The held blobs that have landed, updated at each count.
+    pub fn landed(&self) -> watch::Receiver<Landed> {
+        self.landed.clone()
     }
 
     pub fn asked(&self, digest: &Digest) {
@@ -133,12 +166,14 @@ impl Keeper {
 
 struct Task {
     holder: Arc<dyn Holder>,
+    store: Arc<dyn ContentStore>,
     config: KeepConfig,
     metrics: Arc<Metrics>,
     status: Arc<Mutex<KeepStatus>>,
     lease: Option<String>,
     /// Each held digest and when it was last used.
     held: HashMap<Digest, Instant>,
+    landed: watch::Sender<Landed>,
 }
 
 impl Task {
@@ -146,17 +181,25 @@ impl Task {
         let mut check = tokio::time::interval(self.config.check_every);
         let mut renewed = Instant::now();
         let mut due: Option<Instant> = None;
+        let mut changes: Option<ChangeStream> = None;
+        let mut subscribed: Option<Instant> = None;
+        let mut collect: Option<Instant> = None;
         loop {
             if self.lease.is_none() || renewed.elapsed() >= self.config.renew_every {
                 self.open().await;
                 renewed = Instant::now();
             }
-            let soon = async {
-                match due {
-                    Some(at) => tokio::time::sleep_until(at).await,
+            if changes.is_none() && subscribed.is_none_or(|at| at.elapsed() >= RESUBSCRIBE) {
+                subscribed = Some(Instant::now());
+                changes = self.store.changes().await.ok();
+            }
+            let change = async {
+                match changes.as_mut() {
+                    Some(c) => c.next().await,
                     None => std::future::pending().await,
                 }
             };
+            let soon = later(due);
             tokio::select! {
                 used = rx.recv() => match used {
                     Some(Use::Asked(d)) => {
@@ -175,6 +218,21 @@ impl Task {
                     }
                     None => return,
                 },
+                change = change => match change {
+                    Some(Change::ContentDeleted(d)) => {
+                        if self.deleted(&d).await {
+                            collect.get_or_insert(Instant::now() + COLLECT_AFTER);
+                        }
+                    }
+                    Some(_) => {}
+                    None => changes = None,
+                },
+                _ = later(collect) => {
+                    collect = None;
+                    if let Err(e) = self.holder.collect().await {
+                        tracing::debug!(error = %e, "could not have containerd collect");
+                    }
+                }
                 _ = check.tick() => self.within_budget().await,
                 _ = soon => {
                     due = None;
@@ -201,6 +259,30 @@ impl Task {
             }
         }
         self.publish(None);
+    }
+
+    /// Deleted outright: held no longer, or containerd would keep its file for the lease.
+    /// Whether it was held.
+    async fn deleted(&mut self, digest: &Digest) -> bool {
+        if self.held.remove(digest).is_none() {
+            return false;
+        }
+        if let Some(lease) = &self.lease
+            && let Err(e) = self.holder.release(lease, digest).await
+        {
+            tracing::debug!(%digest, error = %e, "could not release a deleted blob");
+        }
+        self.landed.send_if_modified(|landed| {
+            let had = landed.contains(digest);
+            if had {
+                let mut rest = (**landed).clone();
+                rest.remove(digest);
+                *landed = Arc::new(rest);
+            }
+            had
+        });
+        self.publish(None);
+        true
     }
 
     /// Whether `digest` is newly held.
@@ -233,26 +315,27 @@ impl Task {
             return;
         };
         let held: Vec<Digest> = self.held.keys().cloned().collect();
-        let mut alone = match self.holder.held_alone(&held).await {
-            Ok(a) => a,
+        let landed = match self.holder.landed_holds(&held).await {
+            Ok(l) => l,
             Err(e) => {
                 tracing::debug!(error = %e, "could not count the held blobs");
                 return;
             }
         };
-        let mut total: u64 = alone.iter().map(|(_, n)| n).sum();
-        alone.sort_by_key(|(d, _)| self.held.get(d).copied());
+        let mut alone: Vec<&HeldBlob> = landed.iter().filter(|b| b.alone).collect();
+        let mut total: u64 = alone.iter().map(|b| b.size).sum();
+        alone.sort_by_key(|b| self.held.get(&b.digest).copied());
         let mut released = 0;
-        for (digest, size) in &alone {
+        for blob in &alone {
             if total <= self.config.budget {
                 break;
             }
-            if let Err(e) = self.holder.release(&lease, digest).await {
-                tracing::debug!(%digest, error = %e, "could not release a blob");
+            if let Err(e) = self.holder.release(&lease, &blob.digest).await {
+                tracing::debug!(digest = %blob.digest, error = %e, "could not release a blob");
                 break;
             }
-            self.held.remove(digest);
-            total -= size;
+            self.held.remove(&blob.digest);
+            total -= blob.size;
             released += 1;
         }
         let mut by_age: Vec<(Instant, Digest)> = Vec::new();
@@ -276,6 +359,18 @@ impl Task {
         let count = alone.len() - released as usize;
         self.metrics.keep_released.inc_by(released);
         self.publish(Some((count, total, released)));
+        let still: BTreeSet<Digest> = landed
+            .into_iter()
+            .map(|b| b.digest)
+            .filter(|d| self.held.contains_key(d))
+            .collect();
+        self.landed.send_if_modified(|old| {
+            let changed = **old != still;
+            if changed {
+                *old = Arc::new(still);
+            }
+            changed
+        });
     }
 
     fn publish(&self, alone: Option<(usize, u64, u64)>) {

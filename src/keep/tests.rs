@@ -5,7 +5,12 @@ fn keeper(store: &Arc<MemoryStore>, budget: u64) -> Keeper {
     let mut config = KeepConfig::new(budget);
     config.check_every = Duration::from_secs(3600);
     config.check_after_holds = Duration::from_secs(3600);
-    Keeper::spawn(store.clone(), config, Arc::new(Metrics::new()))
+    Keeper::spawn(
+        store.clone(),
+        store.clone(),
+        config,
+        Arc::new(Metrics::new()),
+    )
 }
 
 async fn settled(keeper: &Keeper) -> KeepStatus {
@@ -29,6 +34,8 @@ async fn what_containerd_asks_for_is_held_even_before_it_lands() {
         (status.held, status.held_alone, status.held_alone_bytes),
         (2, 1, 1000)
     );
+    let served: Vec<Digest> = keep.landed().borrow().iter().cloned().collect();
+    assert_eq!(served, [landed], "only what has landed is offered to peers");
 }
 
 #[tokio::test(start_paused = true)]
@@ -64,4 +71,21 @@ async fn a_restart_takes_over_what_the_last_one_held() {
     let status = settled(&second).await;
     assert_eq!(status.held, 1);
     assert_eq!(Holder::end(&*store).await.unwrap(), 1, "one lease to end");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_blob_deleted_outright_is_held_no_longer() {
+    let store = Arc::new(MemoryStore::new());
+    let keep = keeper(&store, 1 << 20);
+    let d = store.put(vec![3u8; 100]);
+    keep.asked(&d);
+    assert_eq!(settled(&keep).await.held, 1);
+    // The keeper's subscription to the store's changes is made at its first turn.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    store.remove(&d);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(settled(&keep).await.held, 0);
+    assert!(keep.landed().borrow().is_empty());
+    let (_, held) = Holder::open(&*store).await.unwrap();
+    assert!(held.is_empty(), "released from the lease");
 }

@@ -272,7 +272,10 @@ async fn by_digest(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let state = &mirror.state;
-    if let Some(keep) = &state.keep {
+    // Held for peers only where it is shared with them: the lease serves no one else.
+    if let Some(keep) = &state.keep
+        && shared(state, req, name)
+    {
         keep.asked(digest);
     }
     let what = || format!("{}/{name}@{digest}", req.ns.as_deref().unwrap_or("-"));
@@ -370,9 +373,14 @@ async fn local(
 /// The coalescer, for this node's containerd asking for an image shared with peers.
 fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a Coalescer> {
     let coalesce = state.coalesce.as_deref()?;
-    let ns = req.ns.as_deref()?;
-    let shared = state.filters.allows(&format!("{ns}/{name}"));
-    (shared && !req.headers.contains_key(HOP_HEADER)).then_some(coalesce)
+    (shared(state, req, name) && !req.headers.contains_key(HOP_HEADER)).then_some(coalesce)
+}
+
+/// Whether the image is shared with peers (`--registry-filters`).
+fn shared(state: &MirrorState, req: &Pull, name: &str) -> bool {
+    req.ns
+        .as_deref()
+        .is_some_and(|ns| state.filters.allows(&format!("{ns}/{name}")))
 }
 
 /// A second request of this node's containerd, answered from the first one's download.

@@ -15,7 +15,8 @@ use tokio::time::Instant;
 
 use super::downloads::{Download, InFlight, POLL, Scope};
 use super::{
-    ByteStream, Change, ChangeStream, ContentStore, Descriptor, Holder, ImageRecord, StoreError,
+    ByteStream, Change, ChangeStream, ContentStore, Descriptor, HeldBlob, Holder, ImageRecord,
+    StoreError,
 };
 use crate::oci::{ByteRange, Digest};
 
@@ -451,11 +452,17 @@ impl Holder for MemoryStore {
         Ok(())
     }
 
-    async fn held_alone(&self, held: &[Digest]) -> Result<Vec<(Digest, u64)>, StoreError> {
+    async fn landed_holds(&self, held: &[Digest]) -> Result<Vec<HeldBlob>, StoreError> {
         let inner = self.read();
         Ok(held
             .iter()
-            .filter_map(|d| Some((d.clone(), inner.blobs.get(d)?.len() as u64)))
+            .filter_map(|d| {
+                Some(HeldBlob {
+                    digest: d.clone(),
+                    size: inner.blobs.get(d)?.len() as u64,
+                    alone: true,
+                })
+            })
             .collect())
     }
 

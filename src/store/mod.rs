@@ -79,12 +79,26 @@ pub trait Holder: Send + Sync + 'static {
 
     async fn release(&self, lease: &str, digest: &Digest) -> Result<(), StoreError>;
 
-    /// The size of each of `held` that only the hold keeps (landed, and no image's garbage
-    /// collection references reach it); the others cost no disk of their own.
-    async fn held_alone(&self, held: &[Digest]) -> Result<Vec<(Digest, u64)>, StoreError>;
+    /// Those of `held` that have landed, each with whether only the hold keeps it (no image's
+    /// garbage-collection references reach it): only those cost disk of their own.
+    async fn landed_holds(&self, held: &[Digest]) -> Result<Vec<HeldBlob>, StoreError>;
 
     /// Ends every hold of this node; returns how many leases went.
     async fn end(&self) -> Result<usize, StoreError>;
+
+    /// Has the garbage collector run now, so that released blobs deleted meanwhile go (a
+    /// release alone may not start a collection).
+    async fn collect(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldBlob {
+    pub digest: Digest,
+    pub size: u64,
+    /// Kept by the hold alone: no image keeps it.
+    pub alone: bool,
 }
 
 /// The content a node can serve.

@@ -287,11 +287,21 @@ sys.stdout.write(str(code) + '\\n' + body.decode())\n";
     /// Pulls `reference` the way the kubelet does (CRI `PullImage`, namespace `k8s.io`, the
     /// registry config from containerd's CRI `config_path`): `Err` with the output on failure.
     pub fn cri_pull(&self, reference: &str) -> Result<String, String> {
+        self.cri(reference, &[])
+    }
+
+    /// Removes `reference` as the kubelet's image garbage collection does (CRI `RemoveImage`).
+    pub fn cri_remove(&self, reference: &str) -> Result<String, String> {
+        self.cri(reference, &["remove"])
+    }
+
+    fn cri(&self, reference: &str, extra: &[&str]) -> Result<String, String> {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/cri_pull.py");
         let out = super::in_netns(Some(&self.ns), "python3")
             .arg(script)
             .arg(&self.containerd.socket)
             .arg(reference)
+            .args(extra)
             .output()
             .expect("run cri_pull.py");
         let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();

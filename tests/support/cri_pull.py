@@ -3,8 +3,10 @@
 `pkg/apis/runtime/v1/api.proto`, Apache-2.0, next to this file), compiled at each run with
 grpcio-tools into a scratch directory.
 
-Usage: cri_pull.py <containerd socket> <image reference>
+Usage: cri_pull.py <containerd socket> <image reference> [remove]
 Prints the image ref containerd returns; exits 1 with the gRPC error when the pull fails.
+With `remove`, removes the image instead, as the kubelet's image garbage collection does
+(`RemoveImage`).
 """
 import atexit
 import os
@@ -29,6 +31,13 @@ import api_pb2_grpc  # noqa: E402
 
 socket, image = sys.argv[1], sys.argv[2]
 stub = api_pb2_grpc.ImageServiceStub(grpc.insecure_channel("unix://" + socket))
+if sys.argv[3:] == ["remove"]:
+    try:
+        stub.RemoveImage(api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image=image)), timeout=60)
+    except grpc.RpcError as e:
+        print(f"RemoveImage {image}: {e.code()}: {e.details()}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(0)
 try:
     reply = stub.PullImage(
         api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)), timeout=300

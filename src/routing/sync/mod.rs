@@ -39,7 +39,13 @@ pub struct SyncConfig {
     pub filters: RegistryFilters,
     /// Full reconcile interval, whatever the events say.
     pub interval: Duration,
+    /// Blobs this node holds for its peers (`keep/`), advertised and served also once no image
+    /// names them; `None`: nothing is held.
+    pub held: Option<watch::Receiver<Held>>,
 }
+
+/// Held blobs that have landed.
+pub type Held = Arc<BTreeSet<Digest>>;
 
 /// The keys this node advertises, published by the sync task (their one owner) for the peer
 /// address, which serves exactly these.
@@ -66,7 +72,9 @@ pub async fn run(
         metrics: &metrics,
         exposed: &exposed,
         advertised: Advertised::default(),
+        gone: BTreeSet::new(),
     };
+    let mut held = config.held.clone();
     let mut retry = RETRY_MIN;
     let mut unreachable_since: Option<std::time::Instant> = None;
     loop {
@@ -104,6 +112,11 @@ pub async fn run(
                 _ = tick.tick() => {
                     sync.reconcile(None).await;
                 }
+                Ok(()) = changed(&mut held) => {
+                    // A new count says what has landed: deletions since are in it.
+                    sync.gone.clear();
+                    sync.reconcile(Some(&Burst::default())).await;
+                }
                 event = changes.next() => {
                     let Some(first) = event else {
                         tracing::debug!("store events ended; reconnecting");
@@ -139,6 +152,14 @@ pub async fn run(
     }
 }
 
+/// Resolves when the held set changes; never without one.
+async fn changed(held: &mut Option<watch::Receiver<Held>>) -> Result<(), watch::error::RecvError> {
+    match held {
+        Some(h) => h.changed().await,
+        None => std::future::pending().await,
+    }
+}
+
 #[derive(Debug, Default)]
 struct Burst {
     /// Events were missed or unreadable: look at everything.
@@ -167,6 +188,8 @@ impl Burst {
 #[derive(Debug, Default)]
 struct Advertised {
     images: HashMap<String, Walked>,
+    /// The keys of held blobs, given as if by one more image.
+    held: BTreeSet<String>,
     /// Every advertised key, with how many images give it.
     keys: BTreeMap<String, usize>,
 }
@@ -198,6 +221,18 @@ impl Advertised {
             }
             self.images.insert(name.to_string(), walked);
         }
+    }
+
+    /// Replaces the held blobs' keys.
+    fn set_held(&mut self, keys: BTreeSet<String>, diff: &mut Diff) {
+        let old = std::mem::take(&mut self.held);
+        for key in keys.difference(&old) {
+            self.retain(key, diff);
+        }
+        for key in old.difference(&keys) {
+            self.release(key.clone(), diff);
+        }
+        self.held = keys;
     }
 
     fn retain(&mut self, key: &str, diff: &mut Diff) {
@@ -240,6 +275,8 @@ struct Reconciler<'a> {
     metrics: &'a Metrics,
     exposed: &'a watch::Sender<Exposed>,
     advertised: Advertised,
+    /// Held blobs deleted since the held set was last counted: not advertised meanwhile.
+    gone: BTreeSet<String>,
 }
 
 impl Reconciler<'_> {
@@ -275,6 +312,16 @@ impl Reconciler<'_> {
             let w = Walked { target, keys };
             self.advertised.set(&image.name, Some(w), &mut diff);
             walked += 1;
+        }
+        if let Some(b) = burst {
+            self.gone.extend(b.deleted.iter().cloned());
+        }
+        if let Some(held) = &self.config.held {
+            let keys: BTreeSet<String> = (held.borrow().iter())
+                .map(digest_key)
+                .filter(|k| !self.gone.contains(k))
+                .collect();
+            self.advertised.set_held(keys, &mut diff);
         }
         let reason = if burst.is_some() { "change" } else { "full" };
         self.metrics

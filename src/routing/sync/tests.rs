@@ -81,11 +81,20 @@ struct Running {
 }
 
 fn start_sync(store: Arc<dyn ContentStore>, router: Arc<dyn ContentRouting>) -> Running {
+    start_sync_holding(store, router, None)
+}
+
+fn start_sync_holding(
+    store: Arc<dyn ContentStore>,
+    router: Arc<dyn ContentRouting>,
+    held: Option<watch::Receiver<Held>>,
+) -> Running {
     let metrics = Arc::new(Metrics::new());
     let config = SyncConfig {
         registries: Registries::All,
         filters: RegistryFilters::default(),
         interval: Duration::from_secs(3600),
+        held,
     };
     let (exposed_tx, exposed) = exposure();
     let token = CancellationToken::new();
@@ -353,6 +362,43 @@ async fn a_change_costs_what_it_touches_not_the_whole_store() {
         "shared layer"
     );
     assert_eq!(walked("full"), images as u64);
+    token.cancel();
+    task.await.unwrap();
+}
+
+/// A held blob stays advertised and served when the image that named it goes (the kubelet's
+/// image garbage collection), goes when the hold does, and is not advertised once deleted
+/// (until the next count says what is held).
+#[tokio::test]
+async fn held_blobs_outlive_their_image_and_go_with_their_hold() {
+    let store = Arc::new(MemoryStore::new());
+    let network = MemoryNetwork::new();
+    let me = network.node(Peer {
+        id: "me".into(),
+        addr: "127.0.0.1:1".parse().unwrap(),
+    });
+    let (held_tx, held) = watch::channel(Held::default());
+    let Running {
+        metrics,
+        exposed,
+        token,
+        task,
+    } = start_sync_holding(store.clone(), Arc::new(me), Some(held));
+    let (index, manifest, config, layer) = image(&store);
+    advertised(&metrics, 5).await;
+    held_tx.send_replace(Arc::new([layer.clone(), config.clone()].into()));
+    advertised(&metrics, 5).await;
+    store.untag("docker.io", "library/app", "1.0");
+    advertised(&metrics, 2).await;
+    let keys = exposed.borrow().clone();
+    assert!(keys.contains(&digest_key(&layer)) && keys.contains(&digest_key(&config)));
+    assert!(!keys.contains(&digest_key(&manifest)) && !keys.contains(&digest_key(&index)));
+    store.remove(&config);
+    advertised(&metrics, 1).await;
+    held_tx.send_replace(Arc::new([layer.clone()].into()));
+    advertised(&metrics, 1).await;
+    held_tx.send_replace(Held::default());
+    advertised(&metrics, 0).await;
     token.cancel();
     task.await.unwrap();
 }

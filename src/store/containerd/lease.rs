@@ -18,7 +18,7 @@ use containerd_client::tonic::Code;
 
 use super::{ContainerdStore, status_error};
 use crate::oci::Digest;
-use crate::store::{ContentStore, Holder, StoreError};
+use crate::store::{ContentStore, HeldBlob, Holder, StoreError};
 
 /// The label that marks a lease as Ferry's.
 pub const OWNER: &str = "ferry.dev/holds";
@@ -106,23 +106,8 @@ impl ContainerdStore {
 #[async_trait::async_trait]
 impl Holder for ContainerdStore {
     async fn open(&self) -> Result<(String, Vec<Digest>), StoreError> {
-        let now = SystemTime::now();
-        let stamp = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let id = format!("ferry-holds-{stamp}");
-        let expire = humantime::format_rfc3339_seconds(now + EXPIRY).to_string();
-        let labels: HashMap<String, String> = [
-            (OWNER.to_string(), "1".to_string()),
-            (EXPIRE.to_string(), expire),
-        ]
-        .into();
         let old = self.own_leases().await?;
-        self.leases()
-            .create(self.request(CreateRequest {
-                id: id.clone(),
-                labels,
-            }))
-            .await
-            .map_err(status_error)?;
+        let id = self.create_lease("ferry-holds", EXPIRY, true).await?;
         let mut held = HashSet::new();
         // Moved before the old lease goes, so nothing is ever unheld in between.
         for lease in old {
@@ -162,20 +147,27 @@ impl Holder for ContainerdStore {
         Ok(())
     }
 
-    async fn held_alone(&self, held: &[Digest]) -> Result<Vec<(Digest, u64)>, StoreError> {
+    async fn landed_holds(&self, held: &[Digest]) -> Result<Vec<HeldBlob>, StoreError> {
         let referenced = self.referenced().await?;
-        let mut alone = Vec::new();
+        let mut landed = Vec::new();
         for digest in held {
-            if referenced.contains(&digest.to_string()) {
-                continue;
-            }
             match self.info(digest).await {
-                Ok(size) => alone.push((digest.clone(), size)),
+                Ok(size) => landed.push(HeldBlob {
+                    digest: digest.clone(),
+                    size,
+                    alone: !referenced.contains(&digest.to_string()),
+                }),
                 Err(StoreError::NotFound) => {}
                 Err(e) => return Err(e),
             }
         }
-        Ok(alone)
+        Ok(landed)
+    }
+
+    async fn collect(&self) -> Result<(), StoreError> {
+        // containerd collects synchronously when a lease is deleted with `sync`.
+        let id = (self.create_lease("ferry-collect", Duration::from_secs(60), false)).await?;
+        self.delete_lease(&id, true).await
     }
 
     async fn end(&self) -> Result<usize, StoreError> {
@@ -188,6 +180,32 @@ impl Holder for ContainerdStore {
 }
 
 impl ContainerdStore {
+    /// A new lease `<prefix>-<nanoseconds>` that expires after `expiry`; `owned`: Ferry's own
+    /// (found again at the next start, ended by cleanup).
+    async fn create_lease(
+        &self,
+        prefix: &str,
+        expiry: Duration,
+        owned: bool,
+    ) -> Result<String, StoreError> {
+        let now = SystemTime::now();
+        let stamp = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let id = format!("{prefix}-{stamp}");
+        let expire = humantime::format_rfc3339_seconds(now + expiry).to_string();
+        let mut labels: HashMap<String, String> = [(EXPIRE.to_string(), expire)].into();
+        if owned {
+            labels.insert(OWNER.to_string(), "1".to_string());
+        }
+        self.leases()
+            .create(self.request(CreateRequest {
+                id: id.clone(),
+                labels,
+            }))
+            .await
+            .map_err(status_error)?;
+        Ok(id)
+    }
+
     async fn delete_lease(&self, lease: &str, sync: bool) -> Result<(), StoreError> {
         match self
             .leases()
