@@ -226,3 +226,54 @@ fn a_blob_deleted_outright_is_freed_despite_the_lease() {
     drop(tmp);
     drop(net);
 }
+
+/// Over the budget, a blob another node also has goes before the last copy in the cluster,
+/// though the last copy was used longer ago (`--keep-copies 2`, the default): one DHT count
+/// per blob looked at, none while within the budget.
+#[test]
+fn over_the_budget_the_last_copy_in_the_cluster_goes_last() {
+    let mut net = Net::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
+    let mut refs = Vec::new();
+    let mut layers = Vec::new();
+    for tag in ["only-here", "also-there"] {
+        let image = Image::generate(&dir.join(tag), tag, 1, LAYER_BYTES);
+        image.push(registry_addr, "team/app");
+        refs.push(format!("{registry_addr}/team/app:{tag}"));
+        layers.push(image.layers[0].clone());
+    }
+    let node2 = Node::start(&mut net, dir, "n2", 12, registry_addr, &[]);
+    node2.try_pull(&refs[1]).unwrap();
+    let seed = format!("{}:{P2P_PORT}", node2.ip);
+    let budget = (LAYER_BYTES + LAYER_BYTES / 2).to_string();
+    let args = ["--keep-budget", &budget, "--bootstrap-peers", &seed];
+    let node1 = Node::start_discarding(&mut net, dir, "n1", 11, registry_addr, &args);
+    wait_for("node 1 to find node 2", || {
+        node1.metric("ferry_peers_connected") >= 1
+    });
+    cri_pull(&node1, &refs[0]);
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        node1.metric("ferry_keep_copy_lookups_total"),
+        0,
+        "within budget"
+    );
+    cri_pull(&node1, &refs[1]);
+    wait_for("node 1 to let the other node's blob go", || {
+        !has(&node1, &layers[1])
+    });
+    assert!(
+        has(&node1, &layers[0]),
+        "the last copy in the cluster stays"
+    );
+    assert_eq!(node1.metric("ferry_keep_released_total"), 1);
+    assert_eq!(node1.metric("ferry_keep_copy_lookups_total"), 2);
+
+    drop(node1);
+    drop(node2);
+    drop(registry);
+    drop(tmp);
+    drop(net);
+}

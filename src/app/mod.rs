@@ -142,7 +142,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let metrics = Arc::new(Metrics::new());
-    let keep = setup::keeper(&config, &stores, &metrics);
+    let holder = stores.holder;
     let node = Node {
         store: stores.content,
         problems: Arc::new(Problems::new(metrics.clone())),
@@ -152,9 +152,6 @@ pub async fn serve(
         tracker: TaskTracker::new(),
     };
     hosts::check_containerd_config(&config, &node.problems);
-    if let Some(keep) = &keep {
-        keep.containerd_discards_layers(hosts::discards_layers(&config));
-    }
     let budgets = Budgets::for_this_process();
     tracing::info!(open_files = budgets.open_files, "open-file limit");
     if let Some(detail) = budgets.shortfall() {
@@ -173,6 +170,11 @@ pub async fn serve(
         &node.token,
         &node.tracker,
     );
+    let copies = peers.as_ref().map(|p| setup::copies(p.router.clone()));
+    let keep = setup::keeper(&config, holder, node.store.clone(), copies, &node.metrics);
+    if let Some(keep) = &keep {
+        keep.containerd_discards_layers(hosts::discards_layers(&config));
+    }
     let fetcher = node.fetcher(&config, peers.as_ref());
     let recent = Arc::new(RecentPulls::default());
     let (exposed_tx, exposed) = sync::exposure();

@@ -9,10 +9,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::coalesce::CoalesceConfig;
 use crate::config::{Config, DEFAULT_PEER_PORT};
-use crate::keep::{KeepConfig, Keeper};
+use crate::keep::{COUNT_WAIT, Copies, KeepConfig, Keeper};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap};
 use crate::metrics::Metrics;
 use crate::net::budget::Budgets;
+use crate::oci::Digest;
 use crate::ops::problems::Problems;
 use crate::registry::ResolveTags;
 use crate::registry::peer::PeerFetchConfig;
@@ -42,8 +43,13 @@ pub struct Stores {
 }
 
 /// Ferry's lease, unless `--keep-budget 0`; a share is of the content filesystem's size.
-pub(super) fn keeper(config: &Config, stores: &Stores, metrics: &Arc<Metrics>) -> Option<Keeper> {
-    let holder = stores.holder.clone();
+pub(super) fn keeper(
+    config: &Config,
+    holder: Option<Arc<dyn Holder>>,
+    store: Arc<dyn ContentStore>,
+    copies: Option<Arc<dyn Copies>>,
+    metrics: &Arc<Metrics>,
+) -> Option<Keeper> {
     let holder = holder.filter(|_| config.keeps())?;
     let fs_bytes = match rustix::fs::statvfs(&config.containerd_content_dir) {
         Ok(fs) => fs.f_blocks.saturating_mul(fs.f_frsize),
@@ -57,9 +63,36 @@ pub(super) fn keeper(config: &Config, stores: &Stores, metrics: &Arc<Metrics>) -
         budget,
         "keeping what this node pulls shareable in a containerd lease"
     );
-    let store = stores.content.clone();
-    let keep = KeepConfig::new(budget);
-    Some(Keeper::spawn(holder, store, keep, metrics.clone()))
+    let keep = KeepConfig {
+        copies: config.keep_copies,
+        ..KeepConfig::new(budget)
+    };
+    Some(Keeper::spawn(holder, store, copies, keep, metrics.clone()))
+}
+
+/// Other nodes' copies, counted through the DHT.
+pub(super) fn copies(router: Arc<dyn ContentRouting>) -> Arc<dyn Copies> {
+    Arc::new(RoutedCopies(router))
+}
+
+struct RoutedCopies(Arc<dyn ContentRouting>);
+
+#[async_trait::async_trait]
+impl Copies for RoutedCopies {
+    async fn elsewhere(&self, digest: &Digest, enough: usize) -> usize {
+        let mut providers = self.0.lookup(&crate::routing::digest_key(digest)).await;
+        let mut seen = std::collections::HashSet::new();
+        let count = async {
+            while seen.len() < enough {
+                match providers.recv().await {
+                    Some(peer) => seen.insert(peer.id),
+                    None => break,
+                };
+            }
+        };
+        let _ = tokio::time::timeout(COUNT_WAIT, count).await;
+        seen.len()
+    }
 }
 
 /// The filesystem taken to be this big when its size cannot be read: 10% of it is 10 GiB.

@@ -112,6 +112,10 @@ pub struct Config {
     /// a share of the content filesystem (10%); 0: no lease
     #[arg(long, value_name = "SIZE|%", default_value = "10%", value_parser = keep_budget)]
     pub keep_budget: KeepBudget,
+    /// Nodes that should have a blob before this one lets it go ahead of its turn: over the
+    /// budget, the last copies in the cluster go last
+    #[arg(long, value_name = "N", default_value = "2", value_parser = keep_copies)]
+    pub keep_copies: usize,
     /// Lifetime of this node's provider records in the DHT
     #[arg(long, value_name = "DUR", default_value = "30m", value_parser = duration)]
     pub provide_ttl: Duration,

@@ -201,7 +201,7 @@ fn bad_filters_and_intervals_name_their_key() {
 #[test]
 fn every_key_has_a_default_and_an_environment_variable() {
     let keys = Config::keys();
-    assert_eq!(keys.len(), 42);
+    assert_eq!(keys.len(), 43);
     assert!(keys.contains(&("relay-fanout".into(), "2".into())));
     assert!(keys.contains(&("peer-addr".into(), "".into())));
 }

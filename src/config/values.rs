@@ -75,6 +75,11 @@ pub(super) fn keep_budget(v: &str) -> Parsed<KeepBudget> {
     }
 }
 
+/// 0 to 16 nodes.
+pub(super) fn keep_copies(v: &str) -> Parsed<usize> {
+    count(v, 0, 16).map_err(|_| format!("{v:?}: expected 0 to 16 nodes"))
+}
+
 /// A rate in bytes per second; `0` (or empty) is no limit.
 pub(super) fn upload_limit(v: &str) -> Parsed<Option<u64>> {
     Ok(optional(size)(v)?.filter(|&n| n > 0))

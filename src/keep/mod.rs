@@ -28,6 +28,8 @@ const QUEUE: usize = 4096;
 const MAX_HELD: usize = 50_000;
 /// How soon a lost subscription to the store's changes is made again.
 const RESUBSCRIBE: Duration = Duration::from_secs(5);
+/// How long a deletion is remembered, against asks queued before it.
+const STALE_ASKS: Duration = Duration::from_secs(60);
 /// Deletions come in bursts (`ctr content rm` of a whole image): one collection after them.
 const COLLECT_AFTER: Duration = Duration::from_millis(200);
 
@@ -49,12 +51,16 @@ pub struct KeepConfig {
     pub check_after_holds: Duration,
     /// How often the lease is renewed (its expiry pushed back).
     pub renew_every: Duration,
+    /// Nodes that should have a blob before this one lets it go ahead of its turn; below 2,
+    /// no one is asked.
+    pub copies: usize,
 }
 
 impl KeepConfig {
     pub fn new(budget: u64) -> KeepConfig {
         KeepConfig {
             budget,
+            copies: 1,
             check_every: Duration::from_secs(60),
             check_after_holds: Duration::from_secs(2),
             renew_every: Duration::from_secs(24 * 3600),
@@ -78,8 +84,8 @@ pub struct KeepStatus {
 }
 
 enum Use {
-    /// containerd asked for it: hold it.
-    Asked(Digest),
+    /// containerd asked for it (then): hold it.
+    Asked(Digest, Instant),
     /// A peer was served it: it is wanted, keep it longer.
     Served(Digest),
     Check(tokio::sync::oneshot::Sender<()>),
@@ -106,6 +112,7 @@ impl Keeper {
     pub fn spawn(
         holder: Arc<dyn Holder>,
         store: Arc<dyn ContentStore>,
+        copies: Option<Arc<dyn Copies>>,
         config: KeepConfig,
         metrics: Arc<Metrics>,
     ) -> Keeper {
@@ -119,11 +126,13 @@ impl Keeper {
         let task = Task {
             holder,
             store,
+            copies,
             config,
             metrics,
             status: status.clone(),
             lease: None,
             held: HashMap::new(),
+            deleted_at: HashMap::new(),
             landed: landed_tx,
         };
         tokio::spawn(task.run(rx));
@@ -136,7 +145,7 @@ impl Keeper {
     }
 
     pub fn asked(&self, digest: &Digest) {
-        let _ = self.tx.try_send(Use::Asked(digest.clone()));
+        let _ = self.tx.try_send(Use::Asked(digest.clone(), Instant::now()));
     }
 
     pub fn served(&self, digest: &Digest) {
@@ -167,12 +176,15 @@ impl Keeper {
 struct Task {
     holder: Arc<dyn Holder>,
     store: Arc<dyn ContentStore>,
+    copies: Option<Arc<dyn Copies>>,
     config: KeepConfig,
     metrics: Arc<Metrics>,
     status: Arc<Mutex<KeepStatus>>,
     lease: Option<String>,
     /// Each held digest and when it was last used.
     held: HashMap<Digest, Instant>,
+    /// Blobs deleted outright lately, and when (asks queued before then are stale).
+    deleted_at: HashMap<Digest, Instant>,
     landed: watch::Sender<Landed>,
 }
 
@@ -193,6 +205,11 @@ impl Task {
                 subscribed = Some(Instant::now());
                 changes = self.store.changes().await.ok();
             }
+            let resubscribe = later(
+                subscribed
+                    .filter(|_| changes.is_none())
+                    .map(|at| at + RESUBSCRIBE),
+            );
             let change = async {
                 match changes.as_mut() {
                     Some(c) => c.next().await,
@@ -200,9 +217,12 @@ impl Task {
                 }
             };
             let soon = later(due);
+
             tokio::select! {
                 used = rx.recv() => match used {
-                    Some(Use::Asked(d)) => {
+                    // An ask queued before the blob was deleted outright would hold its file.
+                    Some(Use::Asked(d, at)) if self.deleted_at.get(&d).is_some_and(|&gone| gone >= at) => {}
+                    Some(Use::Asked(d, _)) => {
                         if self.hold(d).await && due.is_none() {
                             due = Some(Instant::now() + self.config.check_after_holds);
                         }
@@ -220,8 +240,9 @@ impl Task {
                 },
                 change = change => match change {
                     Some(Change::ContentDeleted(d)) => {
+                        // Once the burst is over: 200 ms after the last of them.
                         if self.deleted(&d).await {
-                            collect.get_or_insert(Instant::now() + COLLECT_AFTER);
+                            collect = Some(Instant::now() + COLLECT_AFTER);
                         }
                     }
                     Some(_) => {}
@@ -229,11 +250,14 @@ impl Task {
                 },
                 _ = later(collect) => {
                     collect = None;
-                    if let Err(e) = self.holder.collect().await {
-                        tracing::debug!(error = %e, "could not have containerd collect");
+                    match self.holder.collect().await {
+                        Ok(()) => tracing::debug!("had containerd collect the blobs deleted outright"),
+                        Err(e) => tracing::debug!(error = %e, "could not have containerd collect"),
                     }
                 }
                 _ = check.tick() => self.within_budget().await,
+                // Only wakes the loop, which subscribes again at its top.
+                _ = resubscribe => {}
                 _ = soon => {
                     due = None;
                     self.within_budget().await;
@@ -264,13 +288,18 @@ impl Task {
     /// Deleted outright: held no longer, or containerd would keep its file for the lease.
     /// Whether it was held.
     async fn deleted(&mut self, digest: &Digest) -> bool {
+        let now = Instant::now();
+        self.deleted_at
+            .retain(|_, at| now.duration_since(*at) < STALE_ASKS);
+        self.deleted_at.insert(digest.clone(), now);
         if self.held.remove(digest).is_none() {
             return false;
         }
-        if let Some(lease) = &self.lease
-            && let Err(e) = self.holder.release(lease, digest).await
-        {
-            tracing::debug!(%digest, error = %e, "could not release a deleted blob");
+        if let Some(lease) = &self.lease {
+            match self.holder.release(lease, digest).await {
+                Ok(()) => tracing::debug!(%digest, "a held blob was deleted outright: released"),
+                Err(e) => tracing::debug!(%digest, error = %e, "could not release a deleted blob"),
+            }
         }
         self.landed.send_if_modified(|landed| {
             let had = landed.contains(digest);
@@ -325,8 +354,25 @@ impl Task {
         let mut alone: Vec<&HeldBlob> = landed.iter().filter(|b| b.alone).collect();
         let mut total: u64 = alone.iter().map(|b| b.size).sum();
         alone.sort_by_key(|b| self.held.get(&b.digest).copied());
+        // Blobs enough other nodes have go first, least recently used first; then, if the
+        // budget still needs it, the last copies.
+        let mut scarce = Vec::new();
+        let mut order = Vec::new();
+        let mut over = total.saturating_sub(self.config.budget);
+        for blob in alone.iter().copied() {
+            if over == 0 {
+                break;
+            }
+            if self.enough_elsewhere(&blob.digest).await {
+                over = over.saturating_sub(blob.size);
+                order.push(blob);
+            } else {
+                scarce.push(blob);
+            }
+        }
+        order.extend(scarce);
         let mut released = 0;
-        for blob in &alone {
+        for blob in order {
             if total <= self.config.budget {
                 break;
             }
@@ -373,6 +419,16 @@ impl Task {
         });
     }
 
+    /// Whether `--keep-copies` nodes have `digest` with this one.
+    async fn enough_elsewhere(&self, digest: &Digest) -> bool {
+        let Some(copies) = self.copies.as_ref().filter(|_| self.config.copies >= 2) else {
+            return true;
+        };
+        self.metrics.keep_copy_lookups.inc();
+        let others = self.config.copies - 1;
+        copies.elsewhere(digest, others).await >= others
+    }
+
     fn publish(&self, alone: Option<(usize, u64, u64)>) {
         let mut s = self.status.lock().unwrap_or_else(|e| e.into_inner());
         s.lease = self.lease.clone();
@@ -406,6 +462,9 @@ impl KeepStatus {
         line
     }
 }
+
+mod copies;
+pub use copies::{COUNT_WAIT, Copies};
 
 #[cfg(test)]
 mod tests;

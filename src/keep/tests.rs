@@ -5,12 +5,8 @@ fn keeper(store: &Arc<MemoryStore>, budget: u64) -> Keeper {
     let mut config = KeepConfig::new(budget);
     config.check_every = Duration::from_secs(3600);
     config.check_after_holds = Duration::from_secs(3600);
-    Keeper::spawn(
-        store.clone(),
-        store.clone(),
-        config,
-        Arc::new(Metrics::new()),
-    )
+    let metrics = Arc::new(Metrics::new());
+    Keeper::spawn(store.clone(), store.clone(), None, config, metrics)
 }
 
 async fn settled(keeper: &Keeper) -> KeepStatus {
@@ -88,4 +84,50 @@ async fn a_blob_deleted_outright_is_held_no_longer() {
     assert!(keep.landed().borrow().is_empty());
     let (_, held) = Holder::open(&*store).await.unwrap();
     assert!(held.is_empty(), "released from the lease");
+}
+
+/// Other nodes: `spread` have these digests.
+struct Spread(Vec<Digest>);
+
+#[async_trait::async_trait]
+impl Copies for Spread {
+    async fn elsewhere(&self, digest: &Digest, enough: usize) -> usize {
+        usize::from(self.0.contains(digest)).min(enough)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_copy_in_the_cluster_goes_last() {
+    let store = Arc::new(MemoryStore::new());
+    let blobs: Vec<Digest> = (0..3u8).map(|i| store.put(vec![i; 1000])).collect();
+    let mut config = KeepConfig::new(2000);
+    config.check_every = Duration::from_secs(3600);
+    config.check_after_holds = Duration::from_secs(3600);
+    config.copies = 2;
+    // Only the newest is on another node too.
+    let spread: Arc<dyn Copies> = Arc::new(Spread(vec![blobs[2].clone()]));
+    let metrics = Arc::new(Metrics::new());
+    let keep = Keeper::spawn(
+        store.clone(),
+        store.clone(),
+        Some(spread),
+        config,
+        metrics.clone(),
+    );
+    for d in &blobs {
+        keep.asked(d);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let status = settled(&keep).await;
+    assert_eq!((status.held, status.released), (2, 1));
+    let (_, held) = Holder::open(&*store).await.unwrap();
+    assert!(
+        !held.contains(&blobs[2]),
+        "the one another node has went first"
+    );
+    assert_eq!(
+        metrics.keep_copy_lookups.get(),
+        3,
+        "one count per blob looked at"
+    );
 }

@@ -194,6 +194,7 @@ pub struct Metrics {
     pub kept_alone_bytes: Gauge,
     pub keep_budget_bytes: Gauge,
     pub keep_released: Counter,
+    pub keep_copy_lookups: Counter,
     pub follow_wait: Histogram,
     pub corrupt_blobs: Counter,
     pub config_problems: Family<ProblemLabels, Gauge>,
@@ -260,6 +261,7 @@ impl Metrics {
         let zero_copy_bytes = Counter::default();
         let (kept_blobs, kept_alone_bytes) = (Gauge::default(), Gauge::default());
         let (keep_budget_bytes, keep_released) = (Gauge::default(), Counter::default());
+        let keep_copy_lookups = Counter::default();
         let follow_wait = Histogram::new(DURATION_BUCKETS);
         let corrupt_blobs = Counter::default();
         registry.register(
@@ -426,6 +428,11 @@ impl Metrics {
             keep_released.clone(),
         );
         registry.register(
+            "keep_copy_lookups",
+            "DHT lookups counting other nodes' copies of a blob before letting it go (--keep-copies)",
+            keep_copy_lookups.clone(),
+        );
+        registry.register(
             "zero_copy_bytes",
             "Blob bytes sent to other nodes with sendfile, straight from the page cache (also counted in ferry_served_bytes_total)",
             zero_copy_bytes.clone(),
@@ -547,6 +554,7 @@ impl Metrics {
             kept_alone_bytes,
             keep_budget_bytes,
             keep_released,
+            keep_copy_lookups,
             follow_wait,
             corrupt_blobs,
             config_problems,

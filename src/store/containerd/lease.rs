@@ -11,10 +11,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use containerd_client::services::v1::content_client::ContentClient;
 use containerd_client::services::v1::leases_client::LeasesClient;
 use containerd_client::services::v1::{
-    AddResourceRequest, CreateRequest, DeleteRequest, DeleteResourceRequest, InfoRequest,
-    ListRequest, ListResourcesRequest, Resource,
+    AddResourceRequest, CreateRequest, DeleteContentRequest, DeleteRequest, DeleteResourceRequest,
+    InfoRequest, ListRequest, ListResourcesRequest, Resource, WriteAction, WriteContentRequest,
 };
-use containerd_client::tonic::Code;
+use containerd_client::tonic::{Code, Request};
 
 use super::{ContainerdStore, status_error};
 use crate::oci::Digest;
@@ -26,6 +26,8 @@ const EXPIRE: &str = "containerd.io/gc.expire";
 /// How long a lease outlives the last Ferry that renewed it.
 pub const EXPIRY: Duration = Duration::from_secs(7 * 24 * 3600);
 const GC_REF: &str = "containerd.io/gc.ref.content";
+/// The throwaway blob whose deletion makes containerd sweep its content files.
+const SWEEP: &[u8] = b"ferry: a blob written to be deleted, so that containerd sweeps its files\n";
 
 fn content(digest: &str) -> Resource {
     Resource {
@@ -165,6 +167,9 @@ impl Holder for ContainerdStore {
     }
 
     async fn collect(&self) -> Result<(), StoreError> {
+        // containerd sweeps its content files only after a content record went; a released
+        // blob whose record was deleted while held has none left, so one is made and deleted.
+        self.put_and_delete(SWEEP).await?;
         // containerd collects synchronously when a lease is deleted with `sync`.
         let id = (self.create_lease("ferry-collect", Duration::from_secs(60), false)).await?;
         self.delete_lease(&id, true).await
@@ -180,6 +185,42 @@ impl Holder for ContainerdStore {
 }
 
 impl ContainerdStore {
+    /// Writes `bytes` as content, then deletes it.
+    async fn put_and_delete(&self, bytes: &[u8]) -> Result<(), StoreError> {
+        let digest = Digest::sha256_of(bytes).to_string();
+        let stamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let write = |action: WriteAction, offset: usize, data: &[u8]| WriteContentRequest {
+            action: action as i32,
+            r#ref: format!("ferry-sweep-{stamp}"),
+            total: bytes.len() as i64,
+            expected: digest.clone(),
+            offset: offset as i64,
+            data: data.to_vec(),
+            labels: HashMap::new(),
+        };
+        let requests = vec![
+            write(WriteAction::Write, 0, bytes),
+            write(WriteAction::Commit, bytes.len(), &[]),
+        ];
+        let stream = futures::stream::iter(requests);
+        let request = containerd_client::with_namespace!(stream, self.namespace.as_str());
+        let mut client = ContentClient::new(self.channel.clone());
+        let mut answers = client
+            .write(request)
+            .await
+            .map_err(status_error)?
+            .into_inner();
+        while answers.message().await.map_err(status_error)?.is_some() {}
+        let delete = self.request(DeleteContentRequest { digest });
+        match client.delete(delete).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Code::NotFound => Ok(()),
+            Err(e) => Err(status_error(e)),
+        }
+    }
+
     /// A new lease `<prefix>-<nanoseconds>` that expires after `expiry`; `owned`: Ferry's own
     /// (found again at the next start, ended by cleanup).
     async fn create_lease(
