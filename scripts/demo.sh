@@ -155,7 +155,7 @@ echo "    blobs node 2's ferry got from node 1: ${FROM_PEER:-0} (${BYTES_PEER:-0
 echo "    image on node 2: $GOT (pushed: $WANT)"
 echo "==> what an operator sees on node 2: ferry status (run on the node itself)"
 ip netns exec "fdn2$TAG" "$FERRY" status --metrics-addr "$NET.0.12:5483" | sed 's/^/    /'
-"$FERRY" cleanup --hosts-dir "$WORK/n2/certs.d"
+"$FERRY" cleanup --hosts-dir "$WORK/n2/certs.d" --containerd-socket "$WORK/n2/containerd.sock"
 if [ "$UP2" -eq 0 ] && [ "$GOT" = "$WANT" ] && [ "${FROM_PEER:-0}" -ge 4 ]; then
     echo "==> OK: node 2 asked the registry only what the tag points at; node 1 served every byte, peer to peer"
 else

@@ -300,7 +300,7 @@ sys.stdout.write(str(code) + '\\n' + body.decode())\n";
     /// Writes and deletes a throwaway blob, then has containerd collect at once.
     fn sweep(&self) {
         let bytes = format!("sweep {:?}\n", std::time::SystemTime::now());
-        let digest = format!("sha256:{}", super::sha256_hex(bytes.as_bytes()));
+        let digest = super::sha256_hex(bytes.as_bytes());
         let mut ingest = std::process::Command::new("ctr")
             .arg("--address")
             .arg(&self.containerd.socket)
@@ -320,7 +320,10 @@ sys.stdout.write(str(code) + '\\n' + body.decode())\n";
         let mut stdin = ingest.stdin.take().expect("stdin");
         stdin.write_all(bytes.as_bytes()).expect("write");
         drop(stdin);
-        assert!(ingest.wait().expect("ctr").success(), "ctr content ingest");
+        assert!(
+            ingest.wait().expect("ctr").success(),
+            "ctr content ingest {digest}"
+        );
         self.containerd
             .ctr(&["-n", "k8s.io", "content", "rm", &digest]);
         self.containerd
