@@ -9,11 +9,13 @@
 //!
 //! `cargo bench --bench cluster -- [--nodes 4] [--rate 200mbit] [--sizes 10MiB,100MiB,1GiB]
 //! [--layers 1,4] [--component-size 1GiB] [--out DIR] [--replot] [--storm] [--last-hop]
-//! [--node-rate R] [--relay-fanouts LIST]`. `--storm` runs the rollout scenario instead
+//! [--node-rate R] [--relay-fanouts LIST] [--keep] [--versions N]`. `--storm` runs the rollout scenario instead
 //! (`cluster/storm.rs`): every node pulling a new image at once; `--node-rate` shapes each
 //! node's link both ways, `--rate none` leaves the upstream's unshaped.
 //! `--last-hop` instead compares a peer pull with a pull from the registry next door, one node
-//! pulling at a time (`cluster/last_hop.rs`). Needs root (network namespaces), except
+//! pulling at a time (`cluster/last_hop.rs`). `--keep [--versions 8]` measures layers kept
+//! for peers instead (`cluster/keep.rs`): disk and DHT traffic of the lease, with and without
+//! `--keep-copies`, and what a node joining after the rollouts gets from peers. Needs root (network namespaces), except
 //! `--replot`: redraw the chart and reprint the tables from the JSON.
 //! `./scripts/bench.sh` installs what it needs.
 
@@ -22,6 +24,8 @@
 
 #[path = "cluster/components.rs"]
 mod components;
+#[path = "cluster/keep.rs"]
+mod keep;
 #[path = "cluster/last_hop.rs"]
 mod last_hop;
 #[path = "cluster/report.rs"]
@@ -56,6 +60,10 @@ struct Options {
     /// Storm columns with these `--relay-fanout` values besides the default's (default: 0,
     /// coalescing without relays).
     fanouts: Vec<usize>,
+    /// Layers kept for peers only (`cluster/keep.rs`): `<out>/keep.json`.
+    keep: bool,
+    /// Versions rolled out in the keep scenario.
+    versions: usize,
     /// The last hop only (a peer pull against the registry next door, one node pulling at a
     /// time): `<out>/last_hop.json`.
     last_hop: bool,
@@ -99,6 +107,8 @@ fn options() -> Option<Options> {
         replot: args.iter().any(|a| a == "--replot"),
         storm: args.iter().any(|a| a == "--storm"),
         last_hop: args.iter().any(|a| a == "--last-hop"),
+        keep: args.iter().any(|a| a == "--keep"),
+        versions: value("--versions", "8").parse().expect("--versions"),
         node_rate: Some(value("--node-rate", "")).filter(|r| !r.is_empty()),
         fanouts: value("--relay-fanouts", "0")
             .split(',')
@@ -223,6 +233,20 @@ fn main() {
     if opts.replot && opts.last_hop {
         let text = std::fs::read_to_string(opts.out.join("last_hop.json")).unwrap();
         println!("{}", last_hop::table(&serde_json::from_str(&text).unwrap()));
+        return;
+    }
+    if opts.keep {
+        let file = opts.out.join("keep.json");
+        let report = if opts.replot {
+            serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap()
+        } else {
+            let (_, size) = opts.sizes[0].clone();
+            let mut report = keep::run(opts.nodes, size, opts.layers[0], opts.versions);
+            report["machine"] = machine();
+            write_report(&opts.out, "keep.json", &report);
+            report
+        };
+        println!("{}", keep::table(&report));
         return;
     }
     if opts.replot {

@@ -12,6 +12,10 @@
 #   ./scripts/bench.sh --last-hop --sizes 1GiB --layers 1,4
 #                                            # a peer pull against the registry next door, one
 #                                            #   node at a time (benches/results/last_hop.json)
+#   ./scripts/bench.sh --keep                # layers kept for peers: the lease's disk and DHT
+#                                            #   cost with and without --keep-copies, over 8
+#                                            #   rollouts (--versions N) of a 10MiB image
+#                                            #   (benches/results/keep.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -24,5 +28,6 @@ fi
 # Ferry's blob serving with nginx's sendfile).
 ensure_packages /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf:fonts-dejavu-core \
     /usr/sbin/nginx:nginx
+ensure_grpc_python # CRI pulls (--keep)
 ensure_rust
 cargo bench --locked --bench cluster -- "$@"

@@ -38,6 +38,12 @@ fn ferry_leases(node: &Node) -> Vec<String> {
         .collect()
 }
 
+/// The node's libp2p peer ID, from `ferry status --json`.
+fn peer_id(node: &Node) -> String {
+    let status: serde_json::Value = serde_json::from_str(&node.status(true)).unwrap();
+    status["this_node"]["id"].as_str().unwrap().to_string()
+}
+
 /// `ferry cleanup` on `node`, as the chart's uninstall runs it.
 fn cleanup(node: &Node) -> String {
     let out = Command::new("ip")
@@ -153,8 +159,9 @@ fn layers_a_discarding_containerd_drops_stay_shareable_until_cleanup() {
 }
 
 /// Three single-layer images pulled one after the other, the budget room for two layers:
-/// the first pulled goes, and what only the lease keeps never exceeds the budget. A
-/// restarted Ferry takes over the lease and what it holds.
+/// the first pulled goes, and the lease never keeps more than the budget, as containerd
+/// counts it (manifests and configs included, though images keep those anyway). A restarted
+/// Ferry takes over the lease and what it holds.
 #[test]
 fn over_the_keep_budget_the_least_recently_pulled_goes_first() {
     let mut net = Net::new();
@@ -179,11 +186,15 @@ fn over_the_keep_budget_the_least_recently_pulled_goes_first() {
         layers.push(image.layers[0].clone());
         // The budget is counted shortly after each pull's holds.
         std::thread::sleep(Duration::from_secs(4));
-        assert!(node.metric("ferry_kept_alone_bytes") <= budget as u64);
+        let (blobs, bytes) = node.lease_bytes();
+        assert!(bytes <= budget as u64, "{blobs} blobs, {bytes} bytes held");
+        assert!(node.metric("ferry_kept_alone_bytes") <= bytes);
     }
     wait_for("the first pulled layer to be let go", || {
         !has(&node, &layers[0])
     });
+    let (_, bytes) = node.lease_bytes();
+    assert!(bytes >= 2 * LAYER_BYTES as u64, "the two newest stay held");
     assert!(has(&node, &layers[1]) && has(&node, &layers[2]));
     assert_eq!(node.metric("ferry_keep_released_total"), 1);
     assert_eq!(node.metric("ferry_keep_budget_bytes"), budget as u64);
@@ -227,32 +238,53 @@ fn a_blob_deleted_outright_is_freed_despite_the_lease() {
     drop(net);
 }
 
-/// Over the budget, a blob another node also has goes before the last copy in the cluster,
-/// though the last copy was used longer ago (`--keep-copies 2`, the default): one DHT count
-/// per blob looked at, none while within the budget.
+/// Over the budget, a blob another node keeps goes before the last copy in the cluster,
+/// though the last copy was used longer ago (`--keep-copies 1`): one DHT count per blob
+/// looked at, none while within the budget. The other node comes first in the blob's
+/// rendezvous order, so it is the one that keeps it.
 #[test]
 fn over_the_budget_the_last_copy_in_the_cluster_goes_last() {
     let mut net = Net::new();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let (registry, registry_addr) = registry_host(&mut net, dir, "up", 1);
-    let mut refs = Vec::new();
-    let mut layers = Vec::new();
-    for tag in ["only-here", "also-there"] {
-        let image = Image::generate(&dir.join(tag), tag, 1, LAYER_BYTES);
-        image.push(registry_addr, "team/app");
-        refs.push(format!("{registry_addr}/team/app:{tag}"));
-        layers.push(image.layers[0].clone());
-    }
     let node2 = Node::start(&mut net, dir, "n2", 12, registry_addr, &[]);
-    node2.try_pull(&refs[1]).unwrap();
     let seed = format!("{}:{P2P_PORT}", node2.ip);
     let budget = (LAYER_BYTES + LAYER_BYTES / 2).to_string();
-    let args = ["--keep-budget", &budget, "--bootstrap-peers", &seed];
+    let args = [
+        "--keep-budget",
+        &budget,
+        "--keep-copies",
+        "1",
+        "--bootstrap-peers",
+        &seed,
+    ];
     let node1 = Node::start_discarding(&mut net, dir, "n1", 11, registry_addr, &args);
     wait_for("node 1 to find node 2", || {
         node1.metric("ferry_peers_connected") >= 1
     });
+    let (id1, id2) = (peer_id(&node1), peer_id(&node2));
+    let only_here = Image::generate(&dir.join("only-here"), "only-here", 1, LAYER_BYTES);
+    // An image whose layer node 2 keeps ahead of node 1 (half of all images).
+    let also_there = (0..64)
+        .map(|i| {
+            let tag = format!("also-there-{i}");
+            Image::generate(&dir.join(&tag), &tag, 1, LAYER_BYTES)
+        })
+        .find(|image| {
+            let layer: ferry::oci::Digest = image.layers[0].parse().unwrap();
+            ferry::routing::rendezvous::ahead(&id2, &id1, &layer)
+        })
+        .expect("an image node 2 keeps first");
+    let refs: Vec<String> = [&only_here, &also_there]
+        .iter()
+        .map(|image| {
+            image.push(registry_addr, "team/app");
+            format!("{registry_addr}/team/app:{}", image.tag)
+        })
+        .collect();
+    let layers = [only_here.layers[0].clone(), also_there.layers[0].clone()];
+    node2.try_pull(&refs[1]).unwrap();
     cri_pull(&node1, &refs[0]);
     std::thread::sleep(Duration::from_secs(4));
     assert_eq!(

@@ -184,7 +184,7 @@ fn faults_during_a_storm_never_fail_a_pull_or_commit_a_wrong_byte() {
         })
         .collect();
     let first_layer: ferry::oci::Digest = image.layers[0].parse().unwrap();
-    let coordinator = ferry::coalesce::rendezvous::coordinator(&first_layer, &ids).unwrap();
+    let coordinator = ferry::routing::rendezvous::coordinator(&first_layer, &ids).unwrap();
     let coordinator = ids.iter().position(|p| p == coordinator).unwrap();
     std::thread::scope(|s| {
         let pulls = s.spawn(|| storm(&c.nodes, std::slice::from_ref(&reference)));

@@ -9,11 +9,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::coalesce::CoalesceConfig;
 use crate::config::{Config, DEFAULT_PEER_PORT};
-use crate::keep::{COUNT_WAIT, Copies, KeepConfig, Keeper};
+use crate::keep::{Copies, KeepConfig, Keeper, RoutedCopies};
 use crate::kubernetes::{self, bootstrap::KubernetesBootstrap};
 use crate::metrics::Metrics;
 use crate::net::budget::Budgets;
-use crate::oci::Digest;
 use crate::ops::problems::Problems;
 use crate::registry::ResolveTags;
 use crate::registry::peer::PeerFetchConfig;
@@ -73,26 +72,6 @@ pub(super) fn keeper(
 /// Other nodes' copies, counted through the DHT.
 pub(super) fn copies(router: Arc<dyn ContentRouting>) -> Arc<dyn Copies> {
     Arc::new(RoutedCopies(router))
-}
-
-struct RoutedCopies(Arc<dyn ContentRouting>);
-
-#[async_trait::async_trait]
-impl Copies for RoutedCopies {
-    async fn elsewhere(&self, digest: &Digest, enough: usize) -> usize {
-        let mut providers = self.0.lookup(&crate::routing::digest_key(digest)).await;
-        let mut seen = std::collections::HashSet::new();
-        let count = async {
-            while seen.len() < enough {
-                match providers.recv().await {
-                    Some(peer) => seen.insert(peer.id),
-                    None => break,
-                };
-            }
-        };
-        let _ = tokio::time::timeout(COUNT_WAIT, count).await;
-        seen.len()
-    }
 }
 
 /// The filesystem taken to be this big when its size cannot be read: 10% of it is 10 GiB.

@@ -7,7 +7,6 @@
 
 pub(crate) mod leases;
 pub(crate) mod relay;
-pub mod rendezvous;
 #[cfg(test)]
 mod tests;
 pub(crate) mod transfers;
@@ -18,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::metrics::{CoalesceLabels, Metrics};
 use crate::oci::Digest;
-use crate::routing::{ContentRouting, Peer};
+use crate::routing::{ContentRouting, Peer, rendezvous};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing, Scope};
 use axum::response::Response;

@@ -62,7 +62,7 @@ fn cluster(n: usize) -> (Vec<Arc<Coalescer>>, Arc<Claims>) {
 
 fn coordinator_of(nodes: &[Arc<Coalescer>], digest: &Digest) -> usize {
     let peers: Vec<Peer> = nodes.iter().map(|n| n.router.local()).collect();
-    let c = rendezvous::coordinator(digest, &peers).unwrap();
+    let c = crate::routing::rendezvous::coordinator(digest, &peers).unwrap();
     peers.iter().position(|p| p == c).unwrap()
 }
 

@@ -112,8 +112,8 @@ pub struct Config {
     /// a share of the content filesystem (10%); 0: no lease
     #[arg(long, value_name = "SIZE|%", default_value = "10%", value_parser = keep_budget)]
     pub keep_budget: KeepBudget,
-    /// Nodes that should have a blob before this one lets it go ahead of its turn: over the
-    /// budget, the last copies in the cluster go last
+    /// Copies of a blob the cluster keeps: over the budget, this node lets a blob go first
+    /// where this many other nodes ahead of it in the blob's order have it; 0: no lookups
     #[arg(long, value_name = "N", default_value = "2", value_parser = keep_copies)]
     pub keep_copies: usize,
     /// Lifetime of this node's provider records in the DHT

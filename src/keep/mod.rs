@@ -51,8 +51,8 @@ pub struct KeepConfig {
     pub check_after_holds: Duration,
     /// How often the lease is renewed (its expiry pushed back).
     pub renew_every: Duration,
-    /// Nodes that should have a blob before this one lets it go ahead of its turn; below 2,
-    /// no one is asked.
+    /// Other nodes that should keep a blob, ahead of this one in its order, before this one
+    /// lets it go ahead of its turn; 0: no one is asked.
     pub copies: usize,
 }
 
@@ -60,7 +60,7 @@ impl KeepConfig {
     pub fn new(budget: u64) -> KeepConfig {
         KeepConfig {
             budget,
-            copies: 1,
+            copies: 0,
             check_every: Duration::from_secs(60),
             check_after_holds: Duration::from_secs(2),
             renew_every: Duration::from_secs(24 * 3600),
@@ -419,14 +419,13 @@ impl Task {
         });
     }
 
-    /// Whether `--keep-copies` nodes have `digest` with this one.
+    /// Whether `--keep-copies` other nodes keep `digest` ahead of this one.
     async fn enough_elsewhere(&self, digest: &Digest) -> bool {
-        let Some(copies) = self.copies.as_ref().filter(|_| self.config.copies >= 2) else {
+        let Some(copies) = self.copies.as_ref().filter(|_| self.config.copies > 0) else {
             return true;
         };
         self.metrics.keep_copy_lookups.inc();
-        let others = self.config.copies - 1;
-        copies.elsewhere(digest, others).await >= others
+        copies.ahead(digest, self.config.copies).await >= self.config.copies
     }
 
     fn publish(&self, alone: Option<(usize, u64, u64)>) {
@@ -464,7 +463,7 @@ impl KeepStatus {
 }
 
 mod copies;
-pub use copies::{COUNT_WAIT, Copies};
+pub use copies::{COUNT_WAIT, Copies, RoutedCopies};
 
 #[cfg(test)]
 mod tests;

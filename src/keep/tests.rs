@@ -86,13 +86,13 @@ async fn a_blob_deleted_outright_is_held_no_longer() {
     assert!(held.is_empty(), "released from the lease");
 }
 
-/// Other nodes: `spread` have these digests.
+/// Two other nodes ahead of this one have these digests.
 struct Spread(Vec<Digest>);
 
 #[async_trait::async_trait]
 impl Copies for Spread {
-    async fn elsewhere(&self, digest: &Digest, enough: usize) -> usize {
-        usize::from(self.0.contains(digest)).min(enough)
+    async fn ahead(&self, digest: &Digest, enough: usize) -> usize {
+        (2 * usize::from(self.0.contains(digest))).min(enough)
     }
 }
 

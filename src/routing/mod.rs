@@ -8,6 +8,7 @@ pub mod bootstrap;
 #[cfg(any(test, feature = "test-support"))]
 pub mod memory;
 pub mod p2p;
+pub mod rendezvous;
 pub mod sync;
 
 use std::net::SocketAddr;

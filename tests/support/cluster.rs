@@ -376,6 +376,58 @@ sys.stdout.write(str(code) + '\\n' + body.decode())\n";
         out.status.success() && super::sha256_hex(&out.stdout) == digest
     }
 
+    /// Blobs and bytes Ferry's lease keeps on this node, read from containerd (the lease's
+    /// resources that are in the content store), not from Ferry's own count.
+    pub fn lease_bytes(&self) -> (usize, u64) {
+        use containerd_client::services::v1::content_client::ContentClient;
+        use containerd_client::services::v1::leases_client::LeasesClient;
+        use containerd_client::services::v1::{InfoRequest, ListRequest, ListResourcesRequest};
+        use containerd_client::tonic::Request;
+        use containerd_client::with_namespace;
+
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let channel = containerd_client::connect(&self.containerd.socket)
+                .await
+                .expect("connect to containerd");
+            let mut leases = LeasesClient::new(channel.clone());
+            let mut content = ContentClient::new(channel);
+            let list = ListRequest { filters: vec![] };
+            let all = leases
+                .list(with_namespace!(list, "k8s.io"))
+                .await
+                .unwrap()
+                .into_inner()
+                .leases;
+            let (mut blobs, mut bytes) = (0, 0);
+            for lease in all
+                .iter()
+                .filter(|l| l.labels.contains_key("ferry.dev/holds"))
+            {
+                let list = ListResourcesRequest {
+                    id: lease.id.clone(),
+                };
+                let resources = leases
+                    .list_resources(with_namespace!(list, "k8s.io"))
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .resources;
+                for r in resources.into_iter().filter(|r| r.r#type == "content") {
+                    let info = InfoRequest { digest: r.id };
+                    if let Ok(i) = content.info(with_namespace!(info, "k8s.io")).await {
+                        blobs += 1;
+                        bytes += i.into_inner().info.map_or(0, |i| i.size as u64);
+                    }
+                }
+            }
+            (blobs, bytes)
+        })
+    }
+
     pub fn peer_url(&self, path: &str) -> String {
         format!("http://{}{path}", SocketAddr::new(self.ip, PEER_PORT))
     }

@@ -1,6 +1,7 @@
-//! Which node coordinates a digest when the router cannot tell: rendezvous (highest random
-//! weight) hashing over the live peers. Invariant: nodes that see the same members pick the
-//! same coordinator with no message; a node joining or leaving moves only 1/N of the digests.
+//! An order of the nodes for each digest that every node computes alike with no message:
+//! rendezvous (highest random weight) hashing. It picks the node that coordinates a digest
+//! when the router cannot tell, and the nodes that keep a blob's last copies. Invariant: nodes
+//! that see the same members agree; a node joining or leaving moves only 1/N of the digests.
 
 use sha2::{Digest as _, Sha256};
 
@@ -14,12 +15,17 @@ pub fn coordinator<'a>(
 ) -> Option<&'a Peer> {
     members
         .into_iter()
-        // Equal weights are astronomically unlikely; the id breaks ties deterministically.
-        .max_by(|a, b| {
-            weight(&a.id, digest)
-                .cmp(&weight(&b.id, digest))
-                .then(a.id.cmp(&b.id))
-        })
+        .max_by(|a, b| order(&a.id, &b.id, digest))
+}
+
+/// Whether node `a` comes before node `b` in `digest`'s order.
+pub fn ahead(a: &str, b: &str, digest: &Digest) -> bool {
+    order(a, b, digest).is_gt()
+}
+
+fn order(a: &str, b: &str, digest: &Digest) -> std::cmp::Ordering {
+    // Equal weights are astronomically unlikely; the id breaks ties deterministically.
+    weight(a, digest).cmp(&weight(b, digest)).then(a.cmp(b))
 }
 
 fn weight(id: &str, digest: &Digest) -> [u8; 32] {
@@ -53,6 +59,19 @@ mod tests {
             assert_eq!(coordinator(&d, &members), coordinator(&d, &reversed));
         }
         assert_eq!(coordinator(&Digest::sha256_of(b"x"), &[]), None);
+    }
+
+    #[test]
+    fn the_coordinator_is_ahead_of_every_other_member() {
+        let members = peers(5);
+        for i in 0..20 {
+            let d = Digest::sha256_of(format!("blob {i}").as_bytes());
+            let first = coordinator(&d, &members).unwrap();
+            for p in members.iter().filter(|p| p.id != first.id) {
+                assert!(ahead(&first.id, &p.id, &d) && !ahead(&p.id, &first.id, &d));
+            }
+            assert!(!ahead(&first.id, &first.id, &d));
+        }
     }
 
     #[test]
