@@ -934,3 +934,77 @@ async fn past_the_buffer_budget_a_blob_is_streamed_and_a_range_left_to_the_regis
         n.stop().await;
     }
 }
+
+/// A peer that answers every range `bytes=N-` with a 206 of the right length and bytes that
+/// are not the blob's.
+async fn lying_range_peer(total: u64) -> SocketAddr {
+    let listener = bind().await;
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let n = conn.read(&mut buf).await.unwrap_or(0);
+                let request = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+                let from: u64 = request
+                    .split("range: bytes=")
+                    .nth(1)
+                    .and_then(|r| r.split('-').next())
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                let len = total - from;
+                let head = format!(
+                    "HTTP/1.1 206 Partial Content\r\ncontent-length: {len}\r\ncontent-range: bytes {from}-{}/{total}\r\ncontent-type: application/octet-stream\r\nconnection: close\r\n\r\n",
+                    total - 1
+                );
+                let _ = conn.write_all(head.as_bytes()).await;
+                let _ = conn.write_all(&vec![0x5a; len as usize]).await;
+            });
+        }
+    });
+    addr
+}
+
+/// containerd resuming a large blob asks for its tail (`Range: bytes=N-`), its partial download
+/// holding the first N bytes: a peer's tail is checked with that prefix against the blob's
+/// digest, so a peer that lies is cut before its last chunk and charged, never completing
+/// containerd's download with wrong bytes, and the next try gets the real tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_blobs_tail_from_a_peer_is_checked_with_the_partial_download() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let (good, layer, bytes) = good_node(tmp.path(), &network).await;
+    let total = bytes.len() as u64;
+    let liar = lying_range_peer(total).await;
+    advertise(&network, "a-liar", liar, &layer).await;
+    advertise(&network, "b-good", good.peer, &layer).await;
+    let store = Arc::new(MemoryStore::new());
+    let from = 1_000_000;
+    let partial = store.start_download(&layer.parse().unwrap(), total);
+    partial.append(&bytes[..from]);
+    // Streamed, not verified whole: the blob is past the 1 MiB limit.
+    let asker = run_node(&tmp.path().join("asker"), store, |http| {
+        memory_peering_verifying(&network, "c-asker", http, 1 << 20)
+    })
+    .await;
+    let url = format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror);
+    let range = format!("bytes={from}-");
+    let (status, body, _) = get(&url, Some(&range)).await;
+    assert_eq!(status, 206);
+    assert!(
+        (body.len() as u64) < total - from as u64,
+        "the lying tail is cut before its end"
+    );
+    assert_eq!(
+        metric(asker.ops, "ferry_peer_failures_total{stage=\"verify\"}").await,
+        1
+    );
+    let (status, body, _) = get(&url, Some(&range)).await;
+    assert_eq!(status, 206);
+    assert!(body == bytes[from..], "the real tail from the good peer");
+    drop(partial);
+    for n in [good, asker] {
+        n.stop().await;
+    }
+}

@@ -210,17 +210,21 @@ fn column(net: &mut Net, c: &Cluster, mode: &Mode, first_host: u8) -> Value {
         .map(|n| n.metric("ferry_keep_copy_lookups_total") as f64)
         .sum::<f64>()
         / count as f64;
-    // Versions whose every layer some node still has.
-    let mut kept_versions = BTreeSet::new();
-    for (v, image) in images.iter().enumerate() {
-        if image
-            .layers
-            .iter()
-            .all(|l| nodes.iter().any(|n| n.committed_matches(l)))
-        {
-            kept_versions.insert(v);
-        }
-    }
+    // Versions whose every layer some node's lease keeps (a layer let go may stay on disk
+    // until containerd's next collection; no node offers it any more).
+    let leased: Vec<BTreeSet<String>> = nodes
+        .iter()
+        .map(|n| n.lease_blobs().into_iter().map(|(d, _)| d).collect())
+        .collect();
+    let kept_versions = images
+        .iter()
+        .filter(|image| {
+            image
+                .layers
+                .iter()
+                .all(|l| leased.iter().any(|held| held.contains(l)))
+        })
+        .count();
 
     // A node joins and pulls every earlier version.
     let joiner = start(net, count);
@@ -237,7 +241,7 @@ fn column(net: &mut Net, c: &Cluster, mode: &Mode, first_host: u8) -> Value {
         "mode": mode.name,
         "held_bytes_per_node": held.iter().map(|h| h.1).collect::<Vec<_>>(),
         "held_blobs_per_node": held.iter().map(|h| h.0).collect::<Vec<_>>(),
-        "versions_kept_in_cluster": kept_versions.len(),
+        "versions_kept_in_cluster": kept_versions,
         "dht_requests_per_node_per_s": dht_per_node_s,
         "copy_lookups_per_node": lookups,
         "rollout_seconds": seconds,

@@ -196,6 +196,7 @@ impl PeerSetup {
                 verify_before_serving: config.verify_before_serving,
                 buffer_budget: crate::registry::peer::BUFFER_BUDGET,
                 zero_copy: config.zero_copy,
+                max_lookups: crate::registry::peer::MAX_LOOKUPS,
             },
             tags: config.resolve_tags,
             coalesce: config.coalescing().map(|follow_timeout| CoalesceConfig {

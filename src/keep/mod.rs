@@ -245,6 +245,11 @@ impl Task {
                             collect = Some(Instant::now() + COLLECT_AFTER);
                         }
                     }
+                    // A pull's image lands after its blobs (the holds' check may have come
+                    // first), and an image removed leaves its blobs to the lease alone.
+                    Some(Change::Image(_)) if due.is_none() && !self.held.is_empty() => {
+                        due = Some(Instant::now() + self.config.check_after_holds);
+                    }
                     Some(_) => {}
                     None => changes = None,
                 },

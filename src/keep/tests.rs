@@ -34,6 +34,29 @@ async fn what_containerd_asks_for_is_held_even_before_it_lands() {
     assert_eq!(served, [landed], "only what has landed is offered to peers");
 }
 
+/// A pull slower than the check after its holds: its image landing counts again.
+#[tokio::test(start_paused = true)]
+async fn a_pulls_image_landing_counts_the_budget_again() {
+    let store = Arc::new(MemoryStore::new());
+    let mut config = KeepConfig::new(1500);
+    config.check_every = Duration::from_secs(3600);
+    let metrics = Arc::new(Metrics::new());
+    let keep = Keeper::spawn(store.clone(), store.clone(), None, config, metrics);
+    let blobs: Vec<Digest> = (0..2u8).map(|i| Digest::sha256_of(&[i; 1000])).collect();
+    for d in &blobs {
+        keep.asked(d);
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(keep.status().released, 0, "counted before anything landed");
+    for i in 0..2u8 {
+        store.put(vec![i; 1000]);
+    }
+    store.tag("r.example", "team/app", "v1", &blobs[0], "application/json");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let status = keep.status();
+    assert_eq!((status.held, status.released), (1, 1));
+}
+
 #[tokio::test(start_paused = true)]
 async fn over_the_budget_the_least_recently_used_go_first() {
     let store = Arc::new(MemoryStore::new());

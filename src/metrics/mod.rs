@@ -286,10 +286,10 @@ impl Metrics {
         );
         registry.register(
             "peer_lookups",
-            "DHT provider lookups by result: found, none (the walk ended with nobody), timed_out (nobody within the wait, peer_resolve_wait_seconds, while the walk went on: the pull went upstream)",
+            "DHT provider lookups by result: found, none (the walk ended with nobody), timed_out (nobody within the wait, peer_resolve_wait_seconds, while the walk went on: the pull went upstream), refused (as many walks were under way already: the pull went upstream)",
             peer_lookups.clone(),
         );
-        for result in ["found", "none", "timed_out"] {
+        for result in ["found", "none", "timed_out", "refused"] {
             let _ = peer_lookups.get_or_create(&ResultLabels { result });
         }
         registry.register(

@@ -379,6 +379,12 @@ sys.stdout.write(str(code) + '\\n' + body.decode())\n";
     /// Blobs and bytes Ferry's lease keeps on this node, read from containerd (the lease's
     /// resources that are in the content store), not from Ferry's own count.
     pub fn lease_bytes(&self) -> (usize, u64) {
+        let held = self.lease_blobs();
+        (held.len(), held.iter().map(|(_, size)| size).sum())
+    }
+
+    /// The digests (and sizes) of what Ferry's lease keeps, as containerd lists them.
+    pub fn lease_blobs(&self) -> Vec<(String, u64)> {
         use containerd_client::services::v1::content_client::ContentClient;
         use containerd_client::services::v1::leases_client::LeasesClient;
         use containerd_client::services::v1::{InfoRequest, ListRequest, ListResourcesRequest};
@@ -402,7 +408,7 @@ sys.stdout.write(str(code) + '\\n' + body.decode())\n";
                 .unwrap()
                 .into_inner()
                 .leases;
-            let (mut blobs, mut bytes) = (0, 0);
+            let mut held = Vec::new();
             for lease in all
                 .iter()
                 .filter(|l| l.labels.contains_key("ferry.dev/holds"))
@@ -417,14 +423,15 @@ sys.stdout.write(str(code) + '\\n' + body.decode())\n";
                     .into_inner()
                     .resources;
                 for r in resources.into_iter().filter(|r| r.r#type == "content") {
-                    let info = InfoRequest { digest: r.id };
+                    let info = InfoRequest {
+                        digest: r.id.clone(),
+                    };
                     if let Ok(i) = content.info(with_namespace!(info, "k8s.io")).await {
-                        blobs += 1;
-                        bytes += i.into_inner().info.map_or(0, |i| i.size as u64);
+                        held.push((r.id, i.into_inner().info.map_or(0, |i| i.size as u64)));
                     }
                 }
             }
-            (blobs, bytes)
+            held
         })
     }
 

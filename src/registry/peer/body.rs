@@ -1,8 +1,9 @@
 //! A blob body fed by peers: streams the first provider's bytes and, if it fails, stalls or
 //! ends early, resumes on the next one with a `Range` from the byte already sent.
 //!
-//! Invariant: a whole blob's last chunk is sent only once its digest matches, so containerd
-//! sees a cut body, never a complete wrong one.
+//! Invariant: a whole blob's last chunk, or a resumed tail's (checked with containerd's partial
+//! download before it), is sent only once its digest matches, so containerd sees a cut body,
+//! never a complete wrong one.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use crate::oci::digest::Hasher;
 use crate::oci::{self, Digest};
 use crate::routing::Peer;
 use crate::store::ContentStore;
+use crate::store::downloads::InFlight;
 
 /// containerd may reopen its partial download after we drop it: drop it again after these
 /// delays (a timing assumption).
@@ -167,16 +169,17 @@ pub(super) struct ResumingBody {
     remaining: VecDeque<Peer>,
     resumer: Resume,
     sent: u64,
-    /// Only for whole blobs: a range cannot be checked against the blob's digest.
+    /// For whole blobs and resumed tails: another range cannot be checked against the digest.
     hasher: Option<Hasher>,
+    /// The partial download whose bytes come before a resumed tail, hashed first.
+    prefix: Option<InFlight>,
     floor: Floor,
 }
 
 impl ResumingBody {
     pub(super) fn new(
         fetch: Fetch,
-        peer: Peer,
-        first: BoxStream<'static, std::io::Result<Bytes>>,
+        (peer, first): (Peer, BoxStream<'static, std::io::Result<Bytes>>),
         remaining: Vec<Peer>,
         resumer: Resume,
     ) -> Self {
@@ -190,8 +193,37 @@ impl ResumingBody {
             resumer,
             sent: 0,
             hasher,
+            prefix: None,
             floor,
         }
+    }
+
+    /// A tail checked with the partial download that holds the bytes before it.
+    pub(super) fn checked_with(mut self, prefix: Option<InFlight>) -> Self {
+        if prefix.is_some() {
+            self.hasher = Some(self.fetch.digest.hasher());
+            self.prefix = prefix;
+        }
+        self
+    }
+
+    /// Hashes the first `fetch.start` bytes of the partial download.
+    async fn hash_prefix(&mut self, download: InFlight) -> std::io::Result<()> {
+        let Some(hasher) = self.hasher.as_mut() else {
+            return Ok(());
+        };
+        let mut stream = download.read_from(0, self.resumer.client.idle).await?;
+        let mut left = self.fetch.start;
+        while left > 0 {
+            let chunk = stream
+                .next()
+                .await
+                .ok_or_else(|| std::io::Error::other("the partial download ended early"))??;
+            let take = chunk.len().min(left as usize);
+            hasher.update(&chunk[..take]);
+            left -= take as u64;
+        }
+        Ok(())
     }
 
     pub(super) fn into_stream(self) -> impl Stream<Item = std::io::Result<Bytes>> + Send + 'static {
@@ -206,6 +238,9 @@ impl ResumingBody {
     }
 
     async fn next_chunk(&mut self) -> std::io::Result<Option<Bytes>> {
+        if let Some(download) = self.prefix.take() {
+            self.hash_prefix(download).await?;
+        }
         loop {
             if self.sent == self.fetch.len {
                 return self.finish().map(|()| None);

@@ -32,6 +32,7 @@ use crate::oci::manifest::{MAX_MANIFEST_BYTES, is_manifest_media_type, sniff_med
 use crate::oci::{self, Digest, Reference};
 use crate::routing::{ContentRouting, Peer, digest_key, tag_key};
 use crate::store::ContentStore;
+use crate::store::downloads::{InFlight, Scope};
 use crate::trust::ClusterSecret;
 use body::{Fetch, Resume, ResumingBody};
 pub use bound::ResolveBound;
@@ -85,6 +86,9 @@ pub struct PeerFetchConfig {
     pub buffer_budget: u64,
     /// Offer and accept the zero-copy upgrade (`registry::zero_copy`).
     pub zero_copy: bool,
+    /// DHT walks under way at once; a miss past it goes to the registry at once, so a flood
+    /// of random digests cannot start a walk each.
+    pub max_lookups: usize,
 }
 
 impl PeerFetchConfig {
@@ -99,6 +103,7 @@ impl PeerFetchConfig {
             verify_before_serving: MAX_MANIFEST_BYTES,
             buffer_budget: BUFFER_BUDGET,
             zero_copy: true,
+            max_lookups: MAX_LOOKUPS,
         }
     }
 }
@@ -120,6 +125,10 @@ pub struct PeerFetcher {
     /// [`PeerFetchConfig::buffer_budget`], in KiB.
     buffered: Arc<Semaphore>,
 }
+
+/// Walks under way at once: far more than the layers of the pulls a node runs together
+/// (containerd fetches 3 per pull).
+pub const MAX_LOOKUPS: usize = 128;
 
 /// A quarter of the chart's memory limit.
 pub const BUFFER_BUDGET: u64 = 256 << 20;
@@ -259,6 +268,7 @@ impl PeerFetcher {
                 Some(None) if fetch.partial => return Err(PeerMiss::Busy),
                 Some(None) | None => {}
             }
+            let prefix = self.resumed_prefix(&fetch).await;
             let first = response.bytes_stream();
             let remaining: Vec<Peer> = candidates.collect();
             let resume = Resume {
@@ -269,10 +279,26 @@ impl PeerFetcher {
                 path: path.clone(),
                 ns: req.ns.map(str::to_string),
             };
-            let body = ResumingBody::new(fetch.clone(), peer.clone(), first, remaining, resume);
+            let body = ResumingBody::new(fetch.clone(), (peer.clone(), first), remaining, resume)
+                .checked_with(prefix);
             return built(fetch.response(Body::from_stream(body.into_stream())));
         }
         Err(PeerMiss::after(advertised, last))
+    }
+
+    /// containerd resuming a blob asks for its tail, its partial download holding the rest:
+    /// that download, so the tail can be checked against the digest with it. A range without
+    /// one (a lazy-pulling snapshotter's, which checks its own chunks) has none.
+    async fn resumed_prefix(&self, fetch: &Fetch) -> Option<InFlight> {
+        if !fetch.partial || fetch.start == 0 || fetch.start + fetch.len != fetch.total {
+            return None;
+        }
+        for download in self.store.downloads(&fetch.digest, Scope::Namespace).await {
+            if download.landed().await.is_some_and(|n| n >= fetch.start) {
+                return Some(download);
+            }
+        }
+        None
     }
 
     /// `bytes` of the buffer budget, if that many are free now.
@@ -446,6 +472,14 @@ impl PeerFetcher {
         }
         let lookup = {
             let mut lookups = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+            if !lookups.contains_key(key) && lookups.len() >= self.config.max_lookups {
+                drop(lookups);
+                self.metrics
+                    .peer_lookups
+                    .get_or_create(&ResultLabels { result: "refused" })
+                    .inc();
+                return Vec::new();
+            }
             lookups
                 .entry(key.to_string())
                 .or_insert_with(|| {

@@ -50,24 +50,32 @@ impl ContentRouting for SlowRouter {
     }
 }
 
+fn fetcher(
+    router: Arc<dyn ContentRouting>,
+    config: PeerFetchConfig,
+    metrics: Arc<Metrics>,
+) -> PeerFetcher {
+    PeerFetcher::new(router, config, None, metrics, Arc::new(MemoryStore::new())).expect("client")
+}
+
+/// A blob GET from the mirror, whole.
+const REQ: PeerRequest<'static> = PeerRequest {
+    name: "team/app",
+    ns: Some("registry.test"),
+    head: false,
+    range: None,
+};
+
 #[tokio::test]
 async fn concurrent_misses_of_one_digest_share_one_lookup() {
     let router = Arc::new(SlowRouter::default());
-    let fetcher = PeerFetcher::new(
+    let fetcher = fetcher(
         router.clone(),
         PeerFetchConfig::with_resolve_timeout(Duration::from_secs(1)),
-        None,
         Arc::new(Metrics::new()),
-        Arc::new(MemoryStore::new()),
-    )
-    .expect("client");
+    );
     let digest = Digest::sha256_of(b"a layer nobody has");
-    let req = PeerRequest {
-        name: "team/app",
-        ns: Some("registry.test"),
-        head: false,
-        range: None,
-    };
+    let req = REQ;
     let (a, b, c) = tokio::join!(
         fetcher.blob(req, digest.clone()),
         fetcher.blob(req, digest.clone()),
@@ -102,20 +110,12 @@ async fn a_lookup_still_walking_at_the_resolve_timeout_is_counted_apart_from_a_m
         (Duration::from_millis(10), "timed_out"),
     ] {
         let metrics = Arc::new(Metrics::new());
-        let fetcher = PeerFetcher::new(
+        let fetcher = fetcher(
             Arc::new(SlowRouter::default()),
             PeerFetchConfig::with_resolve_timeout(bound),
-            None,
             metrics.clone(),
-            Arc::new(MemoryStore::new()),
-        )
-        .expect("client");
-        let req = PeerRequest {
-            name: "team/app",
-            ns: Some("registry.test"),
-            head: false,
-            range: None,
-        };
+        );
+        let req = REQ;
         let digest = Digest::sha256_of(b"a layer nobody has");
         assert_eq!(
             fetcher.blob(req, digest).await.err(),
@@ -145,14 +145,7 @@ async fn a_node_whose_lookups_are_slower_than_the_bound_learns_to_wait_for_them(
         resolve_timeout_max: Duration::from_secs(1),
         ..PeerFetchConfig::with_resolve_timeout(Duration::from_millis(20))
     };
-    let fetcher = PeerFetcher::new(
-        router,
-        config,
-        None,
-        metrics.clone(),
-        Arc::new(MemoryStore::new()),
-    )
-    .expect("client");
+    let fetcher = fetcher(router, config, metrics.clone());
     let count = |result: &'static str| {
         metrics
             .peer_lookups
@@ -185,4 +178,26 @@ async fn a_node_whose_lookups_are_slower_than_the_bound_learns_to_wait_for_them(
     let wait = metrics.peer_resolve_wait.get();
     assert!((0.3..1.0).contains(&wait), "waits {wait} s now");
     // A window of fast lookups brings the floor back (`bound`'s own tests).
+}
+
+/// A flood of misses of random digests starts at most `max_lookups` walks; the rest go to the
+/// registry at once, counted, and are not remembered as found nowhere.
+#[tokio::test]
+async fn misses_past_the_walks_under_way_go_to_the_registry_at_once() {
+    let router = Arc::new(SlowRouter::default());
+    let mut config = PeerFetchConfig::with_resolve_timeout(Duration::from_secs(1));
+    config.max_lookups = 4;
+    let metrics = Arc::new(Metrics::new());
+    let fetcher = fetcher(router.clone(), config, metrics.clone());
+    let req = REQ;
+    let misses = (0..20u8).map(|i| fetcher.blob(req, Digest::sha256_of(&[i])));
+    for miss in futures::future::join_all(misses).await {
+        assert!(miss.is_err());
+    }
+    assert_eq!(router.lookups.load(Ordering::SeqCst), 4);
+    let refused = ResultLabels { result: "refused" };
+    assert_eq!(metrics.peer_lookups.get_or_create(&refused).get(), 16);
+    // Once the walks ended, a refused digest is looked up: it was never found nowhere.
+    assert!(fetcher.blob(req, Digest::sha256_of(&[19])).await.is_err());
+    assert_eq!(router.lookups.load(Ordering::SeqCst), 5);
 }
