@@ -836,6 +836,7 @@ fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode 
         timing: shape.timing,
         psk: None,
         simulated_latency: shape.latency,
+        transport: None,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
         idle_timeout: shape.idle,
         caps: ConnectionCaps::default(),

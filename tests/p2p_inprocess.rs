@@ -106,6 +106,7 @@ fn start_from(
         peer_http_addr: http,
         timing,
         simulated_latency: None,
+        transport: None,
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
         idle_timeout,
         caps: ConnectionCaps::default(),

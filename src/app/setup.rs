@@ -179,6 +179,8 @@ impl PeerSetup {
                 psk: secret.as_ref().map(|s| s.pnet_key()),
                 #[cfg(feature = "test-support")]
                 simulated_latency: None,
+                #[cfg(feature = "test-support")]
+                transport: None,
                 bootstrap_dials: config.bootstrap_dials,
                 idle_timeout: IDLE_CONNECTION_TIMEOUT,
                 caps: connection_caps(Budgets::for_this_process()),

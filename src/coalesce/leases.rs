@@ -6,7 +6,9 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::routing::clock::Instant;
 
 use crate::oci::Digest;
 use crate::routing::Peer;

@@ -13,7 +13,9 @@ pub(crate) mod transfers;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::routing::clock::Instant;
 
 use crate::metrics::{CoalesceLabels, Metrics};
 use crate::oci::Digest;

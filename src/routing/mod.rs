@@ -5,6 +5,7 @@
 //! Invariant: the registry never sees libp2p types.
 
 pub mod bootstrap;
+pub mod clock;
 #[cfg(any(test, feature = "test-support"))]
 pub mod memory;
 pub mod p2p;

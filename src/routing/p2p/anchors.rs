@@ -6,7 +6,9 @@ use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::hash::BuildHasher;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::routing::clock::Instant;
 
 use libp2p::core::Endpoint;
 use libp2p::core::transport::PortUse;

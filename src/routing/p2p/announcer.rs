@@ -1,11 +1,11 @@
 //! The announcement state machine: provided keys, walks, batches and rounds (planning is
 //! `announce_plan.rs`). Invariant: every provided key is announced each round unless resting.
 
+use crate::routing::clock::Instant;
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::time::Instant;
 
 use libp2p::kad::store::RecordStore;
 use libp2p::kad::{PeerInfo, ProviderRecord, QueryId, RecordKey};

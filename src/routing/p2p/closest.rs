@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::routing::clock::Instant;
 
 use libp2p::PeerId;
 use libp2p::kad::{KBucketKey, QueryId, RecordKey};

@@ -1,7 +1,9 @@
 //! An early announcement round when the network, estimated from the routing table, has grown
 //! several times over. Invariant: only at [`GROWTH_FACTOR`] times the size at the last round's end.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::routing::clock::Instant;
 
 use super::announce_plan::Hash;
 

@@ -73,6 +73,9 @@ pub struct P2pConfig {
     /// Scale simulation only (`delay.rs`).
     #[cfg(feature = "test-support")]
     pub simulated_latency: Option<Duration>,
+    /// The simulation in simulated time (issue #32): its in-memory network instead of TCP.
+    #[cfg(feature = "test-support")]
+    pub transport: Option<TransportFactory>,
     /// Bootstrap addresses dialled at once; Kademlia finds the rest.
     pub bootstrap_dials: usize,
     /// [`IDLE_CONNECTION_TIMEOUT`] in Ferry; tests shorten it.
@@ -327,12 +330,35 @@ async fn checked(
     }
 }
 
-type PeerTransport = Boxed<(PeerId, StreamMuxerBox)>;
+pub type PeerTransport = Boxed<(PeerId, StreamMuxerBox)>;
+
+/// Builds a node's transport from its key (the simulation's network).
+#[cfg(feature = "test-support")]
+#[derive(Clone)]
+pub struct TransportFactory(
+    #[allow(clippy::type_complexity)]
+    pub  Arc<
+        dyn Fn(&Keypair) -> Result<PeerTransport, Box<dyn std::error::Error + Send + Sync>>
+            + Send
+            + Sync,
+    >,
+);
+
+#[cfg(feature = "test-support")]
+impl std::fmt::Debug for TransportFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TransportFactory")
+    }
+}
 
 fn transport(
     key: &Keypair,
     config: &P2pConfig,
 ) -> Result<PeerTransport, Box<dyn std::error::Error + Send + Sync>> {
+    #[cfg(feature = "test-support")]
+    if let Some(factory) = &config.transport {
+        return (factory.0)(key);
+    }
     #[cfg(feature = "test-support")]
     if let (None, Some(latency)) = (config.psk, config.simulated_latency) {
         return delayed_transport(key, latency);

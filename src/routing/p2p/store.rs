@@ -3,9 +3,9 @@
 //!
 //! Invariant: value records are refused; provider records are rebuilt when Kademlia asks.
 
+use crate::routing::clock::Instant;
 use std::borrow::Cow;
 use std::collections::{HashMap, hash_map};
-use std::time::Instant;
 
 use libp2p::kad::store::{Error, RecordStore, Result};
 use libp2p::kad::{K_VALUE, ProviderRecord, Record, RecordKey};
@@ -298,7 +298,8 @@ impl ProviderStore {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
+    use crate::routing::clock::Instant;
+    use std::time::Duration;
 
     use super::*;
 

@@ -76,9 +76,9 @@ pub async fn run(
     };
     let mut held = config.held.clone();
     let mut retry = RETRY_MIN;
-    let mut unreachable_since: Option<std::time::Instant> = None;
+    let mut unreachable_since: Option<crate::routing::clock::Instant> = None;
     loop {
-        let subscribed = std::time::Instant::now();
+        let subscribed = crate::routing::clock::Instant::now();
         let changes = match store.changes().await {
             Ok(c) => Some(c),
             Err(e) => {
@@ -91,7 +91,7 @@ pub async fn run(
         if sync.reconcile(None).await {
             unreachable_since = None;
         } else {
-            let since = *unreachable_since.get_or_insert_with(std::time::Instant::now);
+            let since = *unreachable_since.get_or_insert_with(crate::routing::clock::Instant::now);
             if since.elapsed() >= WITHDRAW_GRACE {
                 sync.withdraw_all().await;
             }

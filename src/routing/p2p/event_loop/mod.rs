@@ -4,7 +4,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::routing::clock::Instant;
 
 use futures::StreamExt;
 use libp2p::kad::{self, GetProvidersOk, QueryId, QueryResult};

@@ -1,0 +1,328 @@
+//! The scale simulation in simulated time (issue #32): N real Ferry routing stacks
+//! (`P2pRouter`: Kademlia, Ferry's record store, batched announcements, lookups) in one process
+//! on a paused tokio clock, over `net::SimNet`. Time advances only when every node is idle, so
+//! a loaded CPU never shows up as latency: figures are in simulated time, `wall_s` says how
+//! long the machine took.
+//!
+//! `cargo run --release -- [--nodes 30] [--digests 1000] [--seed 1] [--latency-ms 1]
+//! [--join-s 60] [--lookups 200]`: scenario (a), the start: N nodes join over `--join-s` and
+//! announce their digests; then lookups of present and absent keys from random nodes, and the
+//! time until a node started last has its keys findable. Prints one JSON run.
+//!
+//! The clock ticks in whole milliseconds (tokio's timer wheel): a byte written is delivered at
+//! the first tick `--latency-ms` after it, so links shorter than 1 ms are 1 ms links here.
+
+mod net;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
+use ferry::oci::Digest;
+use ferry::ops::problems::Problems;
+use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
+use ferry::routing::p2p::{
+    ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter,
+    ProvideTiming, REPLICAS, TransportFactory,
+};
+use ferry::routing::{ContentRouting, digest_key};
+use libp2p::identity::Keypair;
+use serde_json::json;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+const P2P_PORT: u16 = 5482;
+const HTTP_PORT: u16 = 5481;
+
+struct Options {
+    nodes: usize,
+    digests: usize,
+    seed: u64,
+    latency: Duration,
+    join: Duration,
+    lookups: usize,
+}
+
+fn options() -> Options {
+    let args: Vec<String> = std::env::args().collect();
+    let value = |flag: &str, default: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1).cloned())
+            .unwrap_or_else(|| default.to_string())
+    };
+    Options {
+        nodes: value("--nodes", "30").parse().expect("--nodes"),
+        digests: value("--digests", "1000").parse().expect("--digests"),
+        seed: value("--seed", "1").parse().expect("--seed"),
+        latency: Duration::from_secs_f64(
+            value("--latency-ms", "1")
+                .parse::<f64>()
+                .expect("--latency-ms")
+                / 1000.0,
+        ),
+        join: Duration::from_secs(value("--join-s", "60").parse().expect("--join-s")),
+        lookups: value("--lookups", "200").parse().expect("--lookups"),
+    }
+}
+
+/// SplitMix64: the run's one source of chance, so a seed gives one run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn ip(i: usize) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(
+        10,
+        (i >> 16) as u8,
+        (i >> 8) as u8,
+        i as u8 + 1,
+    ))
+}
+
+/// Node `i`'s keys: digests only it holds.
+fn keys(seed: u64, i: usize, digests: usize) -> Vec<String> {
+    (0..digests)
+        .map(|d| digest_key(&Digest::sha256_of(format!("{seed}/{i}/{d}").as_bytes())))
+        .collect()
+}
+
+struct Node {
+    router: P2pRouter,
+    metrics: Arc<Metrics>,
+}
+
+struct Sim {
+    net: net::SimNet,
+    dir: tempfile::TempDir,
+    token: CancellationToken,
+    timing: ProvideTiming,
+    seed: u64,
+}
+
+impl Sim {
+    /// Starts node `i`, bootstrapping from `seeds`, with a key drawn from the seed.
+    fn start(&self, i: usize, seeds: &[usize]) -> Node {
+        let data_dir = self.dir.path().join(format!("n{i}"));
+        std::fs::create_dir_all(&data_dir).expect("data dir");
+        let mut secret = [0u8; 32];
+        let mut rng = Rng(self.seed ^ (i as u64).wrapping_mul(0x1000_0000_01b3));
+        for chunk in secret.chunks_mut(8) {
+            chunk.copy_from_slice(&rng.next().to_le_bytes());
+        }
+        let key = Keypair::ed25519_from_bytes(secret).expect("key");
+        std::fs::write(
+            data_dir.join("node.key"),
+            key.to_protobuf_encoding().expect("key encoding"),
+        )
+        .expect("write key");
+        let net = self.net.clone();
+        let my_ip = ip(i);
+        let factory =
+            TransportFactory(Arc::new(move |key: &Keypair| Ok(net.transport(my_ip, key))));
+        let metrics = Arc::new(Metrics::new());
+        let config = P2pConfig {
+            data_dir,
+            listen: SocketAddr::new(my_ip, P2P_PORT),
+            advertise: Some(my_ip),
+            peer_http_addr: SocketAddr::new(my_ip, HTTP_PORT),
+            timing: self.timing,
+            psk: None,
+            simulated_latency: None,
+            transport: Some(factory),
+            bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
+            idle_timeout: IDLE_CONNECTION_TIMEOUT,
+            caps: ConnectionCaps::default(),
+        };
+        let addrs = seeds
+            .iter()
+            .map(|&j| tcp_multiaddr(ip(j), P2P_PORT))
+            .collect();
+        let (router, _task) = P2pRouter::start(
+            config,
+            Arc::new(StaticBootstrap { addrs }),
+            true,
+            metrics.clone(),
+            Arc::new(Problems::new(metrics.clone())),
+            self.token.clone(),
+        )
+        .expect("router");
+        Node { router, metrics }
+    }
+}
+
+fn dht_requests(nodes: &[Node]) -> u64 {
+    nodes
+        .iter()
+        .map(|n| {
+            DHT_REQUEST_KINDS
+                .iter()
+                .map(|&kind| {
+                    n.metrics
+                        .dht_requests
+                        .get_or_create(&DhtLabels { kind })
+                        .get()
+                })
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+/// Time to the first provider of `key` from `node`, or `None` when the walk ends with nobody.
+async fn first_provider(node: &Node, key: &str) -> (Duration, bool) {
+    let started = Instant::now();
+    let mut found = node.router.lookup(key).await;
+    let hit = found.recv().await.is_some();
+    (started.elapsed(), hit)
+}
+
+async fn until_walk_ends(node: &Node, key: &str) -> Duration {
+    let started = Instant::now();
+    let mut found = node.router.lookup(key).await;
+    while found.recv().await.is_some() {}
+    started.elapsed()
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(((v.len() as f64 - 1.0) * p).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+async fn run(o: Options) -> serde_json::Value {
+    let wall = std::time::Instant::now();
+    let interval = Duration::from_secs(600);
+    let sim = Sim {
+        net: net::SimNet::new(o.latency),
+        dir: tempfile::tempdir().expect("tempdir"),
+        token: CancellationToken::new(),
+        timing: ProvideTiming {
+            ttl: interval * 3,
+            interval,
+            replicas: REPLICAS,
+        },
+        seed: o.seed,
+    };
+    let mut rng = Rng(o.seed);
+    let mut nodes: Vec<Node> = Vec::new();
+    let every = o.join / o.nodes.max(1) as u32;
+    let begun = Instant::now();
+    for i in 0..o.nodes {
+        tokio::time::sleep_until(begun + every * i as u32).await;
+        // Every earlier node, as the Kubernetes bootstrap lists every pod; Ferry dials a few.
+        let seeds: Vec<usize> = (0..i).collect();
+        let node = sim.start(i, &seeds);
+        let r = node.router.clone();
+        let k = keys(o.seed, i, o.digests);
+        tokio::spawn(async move {
+            let _ = r.advertise(k).await;
+        });
+        nodes.push(node);
+    }
+    // The first round's announcements settle.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let joined_s = begun.elapsed().as_secs_f64();
+
+    // Steady state: requests over a window.
+    let before = dht_requests(&nodes);
+    let window = interval * 2;
+    tokio::time::sleep(window).await;
+    let msgs = (dht_requests(&nodes) - before) as f64 / o.nodes as f64 / window.as_secs_f64();
+
+    let mut found_ms = Vec::new();
+    let mut missed = 0;
+    for _ in 0..o.lookups {
+        let asker = rng.below(o.nodes);
+        let owner = (asker + 1 + rng.below(o.nodes - 1)) % o.nodes;
+        let key = digest_key(&Digest::sha256_of(
+            format!("{}/{owner}/{}", o.seed, rng.below(o.digests)).as_bytes(),
+        ));
+        let (took, hit) = first_provider(&nodes[asker], &key).await;
+        if hit {
+            found_ms.push(took.as_secs_f64() * 1000.0);
+        } else {
+            missed += 1;
+        }
+    }
+    let mut absent_ms = Vec::new();
+    for i in 0..o.lookups.min(50) {
+        let asker = rng.below(o.nodes);
+        let key = digest_key(&Digest::sha256_of(format!("absent/{i}").as_bytes()));
+        absent_ms.push(until_walk_ends(&nodes[asker], &key).await.as_secs_f64() * 1000.0);
+    }
+
+    // A node that joins now: how long until another finds its keys.
+    let newcomer = o.nodes;
+    let seeds: Vec<usize> = (0..o.nodes).collect();
+    let started = Instant::now();
+    let node = sim.start(newcomer, &seeds);
+    let k = keys(o.seed, newcomer, o.digests);
+    let probe = k[rng.below(k.len())].clone();
+    let r = node.router.clone();
+    tokio::spawn(async move {
+        let _ = r.advertise(k).await;
+    });
+    nodes.push(node);
+    let findable = loop {
+        let asker = rng.below(o.nodes);
+        if first_provider(&nodes[asker], &probe).await.1 {
+            break started.elapsed();
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            break Duration::MAX;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let mem = rss_mib() / (o.nodes + 1) as f64;
+    sim.token.cancel();
+    json!({
+        "nodes": o.nodes,
+        "digests_per_node": o.digests,
+        "seed": o.seed,
+        "clock": "simulated",
+        "latency_ms": o.latency.as_secs_f64() * 1000.0,
+        "joined_s": joined_s,
+        "lookup_ms_p50": percentile(&mut found_ms, 0.5),
+        "lookup_ms_p99": percentile(&mut found_ms, 0.99),
+        "lookups_missed": missed,
+        "notfound_ms_p50": percentile(&mut absent_ms, 0.5),
+        "announce_msgs_per_node_per_s": msgs,
+        "mem_mib_per_node": mem,
+        "findable_after_start_s": if findable == Duration::MAX { -1.0 } else { findable.as_secs_f64() },
+        "wall_s": wall.elapsed().as_secs_f64(),
+    })
+}
+
+fn main() {
+    let o = options();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("runtime");
+    let report = runtime.block_on(run(o));
+    println!("{report:#}");
+}

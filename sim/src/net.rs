@@ -1,0 +1,295 @@
+//! The simulated network: every node's libp2p transport dials the others through one in-memory
+//! switchboard keyed by `ip:port`, and each byte written arrives `latency` later on the paused
+//! tokio clock. Addresses keep libp2p's TCP shape (`/ip4/A/tcp/P`) so that Ferry's listen,
+//! advertise, bootstrap and per-address limits run unchanged.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::{AsyncRead, AsyncWrite, FutureExt};
+use libp2p::core::multiaddr::{Multiaddr, Protocol};
+use libp2p::core::transport::{DialOpts, ListenerId, TransportError, TransportEvent};
+use libp2p::core::upgrade::Version;
+use libp2p::core::{Transport, muxing::StreamMuxerBox};
+use libp2p::identity::Keypair;
+use libp2p::{PeerId, plaintext, yamux};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, Sleep};
+
+/// One direction of a connection: what was written, each chunk with the time it arrives.
+#[derive(Default)]
+struct Pipe {
+    queue: VecDeque<(Instant, Vec<u8>)>,
+    closed: bool,
+    reader: Option<Waker>,
+}
+
+/// One end of a connection.
+pub struct SimStream {
+    incoming: Arc<Mutex<Pipe>>,
+    outgoing: Arc<Mutex<Pipe>>,
+    latency: Duration,
+    wait: Option<Pin<Box<Sleep>>>,
+}
+
+fn lock(pipe: &Mutex<Pipe>) -> std::sync::MutexGuard<'_, Pipe> {
+    pipe.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Both ends of a new connection.
+fn connection(latency: Duration) -> (SimStream, SimStream) {
+    let (a, b) = (Arc::default(), Arc::default());
+    let end = |incoming: &Arc<Mutex<Pipe>>, outgoing: &Arc<Mutex<Pipe>>| SimStream {
+        incoming: incoming.clone(),
+        outgoing: outgoing.clone(),
+        latency,
+        wait: None,
+    };
+    (end(&a, &b), end(&b, &a))
+}
+
+impl AsyncRead for SimStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            if let Some(wait) = self.wait.as_mut() {
+                match wait.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(()) => self.wait = None,
+                }
+            }
+            let mut pipe = lock(&self.incoming);
+            let Some((at, _)) = pipe.queue.front() else {
+                if pipe.closed {
+                    return Poll::Ready(Ok(0));
+                }
+                pipe.reader = Some(cx.waker().clone());
+                return Poll::Pending;
+            };
+            let at = *at;
+            if at > Instant::now() {
+                drop(pipe);
+                self.wait = Some(Box::pin(tokio::time::sleep_until(at)));
+                continue;
+            }
+            let (_, chunk) = pipe.queue.front_mut().expect("front");
+            let n = chunk.len().min(buf.len());
+            buf[..n].copy_from_slice(&chunk[..n]);
+            chunk.drain(..n);
+            if chunk.is_empty() {
+                pipe.queue.pop_front();
+            }
+            return Poll::Ready(Ok(n));
+        }
+    }
+}
+
+impl AsyncWrite for SimStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let mut pipe = lock(&self.outgoing);
+        if pipe.closed {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        pipe.queue
+            .push_back((Instant::now() + self.latency, buf.to_vec()));
+        if let Some(w) = pipe.reader.take() {
+            w.wake();
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_close(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut pipe = lock(&self.outgoing);
+        pipe.closed = true;
+        if let Some(w) = pipe.reader.take() {
+            w.wake();
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for SimStream {
+    fn drop(&mut self) {
+        for pipe in [&self.outgoing, &self.incoming] {
+            let mut pipe = lock(pipe);
+            pipe.closed = true;
+            if let Some(w) = pipe.reader.take() {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// A dialled connection as its listener receives it: the stream and the dialler's address.
+type Accepted = (SimStream, SocketAddr);
+
+/// The switchboard every node's transport shares.
+#[derive(Clone)]
+pub struct SimNet {
+    inner: Arc<Mutex<Inner>>,
+    latency: Duration,
+}
+
+struct Inner {
+    listeners: HashMap<SocketAddr, mpsc::UnboundedSender<Accepted>>,
+    next_port: u16,
+}
+
+impl SimNet {
+    pub fn new(latency: Duration) -> SimNet {
+        SimNet {
+            inner: Arc::new(Mutex::new(Inner {
+                listeners: HashMap::new(),
+                next_port: 30_000,
+            })),
+            latency,
+        }
+    }
+
+    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Node `ip`'s transport: plaintext identities (the encryption changes CPU, not the
+    /// protocol) and yamux, as Ferry's.
+    pub fn transport(
+        &self,
+        ip: IpAddr,
+        key: &Keypair,
+    ) -> libp2p::core::transport::Boxed<(PeerId, StreamMuxerBox)> {
+        SimTransport {
+            net: self.clone(),
+            ip,
+            listeners: Vec::new(),
+            events: VecDeque::new(),
+        }
+        .upgrade(Version::V1Lazy)
+        .authenticate(plaintext::Config::new(key))
+        .multiplex(yamux::Config::default())
+        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+        .boxed()
+    }
+}
+
+fn socket_addr(addr: &Multiaddr) -> Option<SocketAddr> {
+    let mut parts = addr.iter();
+    let ip: IpAddr = match parts.next()? {
+        Protocol::Ip4(ip) => ip.into(),
+        Protocol::Ip6(ip) => ip.into(),
+        _ => return None,
+    };
+    match parts.next()? {
+        Protocol::Tcp(port) => Some(SocketAddr::new(ip, port)),
+        _ => None,
+    }
+}
+
+fn multiaddr(addr: SocketAddr) -> Multiaddr {
+    Multiaddr::from(addr.ip()).with(Protocol::Tcp(addr.port()))
+}
+
+struct SimTransport {
+    net: SimNet,
+    ip: IpAddr,
+    listeners: Vec<(ListenerId, SocketAddr, mpsc::UnboundedReceiver<Accepted>)>,
+    events: VecDeque<TransportEvent<<Self as Transport>::ListenerUpgrade, io::Error>>,
+}
+
+impl Transport for SimTransport {
+    type Output = SimStream;
+    type Error = io::Error;
+    type ListenerUpgrade = futures::future::Ready<Result<SimStream, io::Error>>;
+    type Dial = BoxFuture<'static, Result<SimStream, io::Error>>;
+
+    fn listen_on(
+        &mut self,
+        id: ListenerId,
+        addr: Multiaddr,
+    ) -> Result<(), TransportError<io::Error>> {
+        let Some(mut at) = socket_addr(&addr) else {
+            return Err(TransportError::MultiaddrNotSupported(addr));
+        };
+        if at.ip().is_unspecified() {
+            at.set_ip(self.ip);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.net.inner().listeners.insert(at, tx);
+        self.listeners.push((id, at, rx));
+        self.events.push_back(TransportEvent::NewAddress {
+            listener_id: id,
+            listen_addr: multiaddr(at),
+        });
+        Ok(())
+    }
+
+    fn remove_listener(&mut self, id: ListenerId) -> bool {
+        let before = self.listeners.len();
+        self.listeners.retain(|(l, _, _)| *l != id);
+        before != self.listeners.len()
+    }
+
+    fn dial(
+        &mut self,
+        addr: Multiaddr,
+        _opts: DialOpts,
+    ) -> Result<Self::Dial, TransportError<io::Error>> {
+        let Some(to) = socket_addr(&addr) else {
+            return Err(TransportError::MultiaddrNotSupported(addr));
+        };
+        let latency = self.net.latency;
+        let listener = {
+            let mut inner = self.net.inner();
+            inner.next_port = inner.next_port.checked_add(1).unwrap_or(30_000);
+            let from = SocketAddr::new(self.ip, inner.next_port);
+            inner.listeners.get(&to).cloned().map(|tx| (tx, from))
+        };
+        Ok(async move {
+            // The SYN and its answer.
+            tokio::time::sleep(latency * 2).await;
+            let (tx, from) = listener.ok_or(io::ErrorKind::ConnectionRefused)?;
+            let (mine, theirs) = connection(latency);
+            tx.send((theirs, from))
+                .map_err(|_| io::Error::from(io::ErrorKind::ConnectionRefused))?;
+            Ok(mine)
+        }
+        .boxed())
+    }
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<TransportEvent<Self::ListenerUpgrade, io::Error>> {
+        if let Some(event) = self.events.pop_front() {
+            return Poll::Ready(event);
+        }
+        for (id, local, rx) in self.listeners.iter_mut() {
+            if let Poll::Ready(Some((stream, from))) = rx.poll_recv(cx) {
+                return Poll::Ready(TransportEvent::Incoming {
+                    listener_id: *id,
+                    upgrade: futures::future::ready(Ok(stream)),
+                    local_addr: multiaddr(*local),
+                    send_back_addr: multiaddr(from),
+                });
+            }
+        }
+        Poll::Pending
+    }
+}
