@@ -38,6 +38,22 @@ fn ferry_leases(node: &Node) -> Vec<String> {
         .collect()
 }
 
+/// When Ferry's lease on `node` expires: its `containerd.io/gc.expire` label, as `ctr leases
+/// ls` shows it.
+fn lease_expiry(node: &Node) -> std::time::SystemTime {
+    let listed = node.containerd.ctr(&["-n", "k8s.io", "leases", "ls"]);
+    let line = listed
+        .lines()
+        .find(|l| l.starts_with("ferry-holds-"))
+        .expect("Ferry's lease");
+    let value = line
+        .split("containerd.io/gc.expire=")
+        .nth(1)
+        .and_then(|v| v.split([',', ' ']).next())
+        .expect("an expiry label");
+    humantime::parse_rfc3339(value).expect("an RFC 3339 time")
+}
+
 /// The node's libp2p peer ID, from `ferry status --json`.
 fn peer_id(node: &Node) -> String {
     let status: serde_json::Value = serde_json::from_str(&node.status(true)).unwrap();
@@ -204,6 +220,14 @@ fn over_the_keep_budget_the_least_recently_pulled_goes_first() {
         node.metric("ferry_kept_blobs") >= 2
     });
     assert_eq!(ferry_leases(&node).len(), 1, "the old lease went");
+    // A lease left by a Ferry that never comes back goes on its own.
+    let expires = lease_expiry(&node);
+    let week = std::time::SystemTime::now() + Duration::from_secs(7 * 24 * 3600);
+    let slack = Duration::from_secs(3600);
+    assert!(
+        expires > week - slack && expires < week + slack,
+        "the lease expires 7 days ahead: {expires:?}"
+    );
     std::thread::sleep(Duration::from_secs(3));
     assert!(has(&node, &layers[1]) && has(&node, &layers[2]));
 
