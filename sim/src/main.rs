@@ -5,9 +5,11 @@
 //! long the machine took.
 //!
 //! `cargo run --release -- [--nodes 30] [--digests 1000] [--seed 1] [--latency-ms 1]
-//! [--join-s 60] [--lookups 200]`: scenario (a), the start: N nodes join over `--join-s` and
-//! announce their digests; then lookups of present and absent keys from random nodes, and the
-//! time until a node started last has its keys findable. Prints one JSON run.
+//! [--join-s 60] [--lookups 200] [--shared 0.8] [--interval-s 600]`: scenario (a), the start:
+//! N nodes join over `--join-s` and announce their digests (`--shared` of them every node's, the
+//! rest its own: the real-socket simulation's keys); then lookups of other nodes' own keys and
+//! of absent ones from random nodes, and the time until 20 keys of a node started last are
+//! found. Prints one JSON run.
 //!
 //! The clock ticks in whole milliseconds (tokio's timer wheel): a byte written is delivered at
 //! the first tick `--latency-ms` after it, so links shorter than 1 ms are 1 ms links here.
@@ -19,14 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
-use ferry::oci::Digest;
 use ferry::ops::problems::Problems;
+use ferry::routing::ContentRouting;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
     ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter,
     ProvideTiming, REPLICAS, TransportFactory,
 };
-use ferry::routing::{ContentRouting, digest_key};
 use libp2p::identity::Keypair;
 use serde_json::json;
 use tokio::time::Instant;
@@ -42,6 +43,10 @@ struct Options {
     latency: Duration,
     join: Duration,
     lookups: usize,
+    /// Keys every node holds (the base images every node runs), as a fraction of `digests`.
+    shared: f64,
+    /// Re-announcement interval.
+    interval: Duration,
 }
 
 fn options() -> Options {
@@ -64,6 +69,8 @@ fn options() -> Options {
         ),
         join: Duration::from_secs(value("--join-s", "60").parse().expect("--join-s")),
         lookups: value("--lookups", "200").parse().expect("--lookups"),
+        shared: value("--shared", "0.8").parse().expect("--shared"),
+        interval: Duration::from_secs(value("--interval-s", "600").parse().expect("--interval-s")),
     }
 }
 
@@ -93,11 +100,23 @@ fn ip(i: usize) -> IpAddr {
     ))
 }
 
-/// Node `i`'s keys: digests only it holds.
-fn keys(seed: u64, i: usize, digests: usize) -> Vec<String> {
+/// Owner `i`'s keys, the first `shared` of them every node's: the real-socket simulation's
+/// (`benches/scale.rs` `keys_of`), so the two compare.
+fn keys(i: usize, digests: usize, shared: f64) -> Vec<String> {
+    let n_shared = (digests as f64 * shared).round() as usize;
     (0..digests)
-        .map(|d| digest_key(&Digest::sha256_of(format!("{seed}/{i}/{d}").as_bytes())))
+        .map(|j| {
+            let owner = if j < n_shared { u64::MAX } else { i as u64 + 1 };
+            format!("sha256:{owner:032x}{j:032x}")
+        })
         .collect()
+}
+
+/// One of owner `i`'s own keys (no other node has it).
+fn own_key(i: usize, o: &Options, rng: &mut Rng) -> String {
+    let n_shared = (o.digests as f64 * o.shared).round() as usize;
+    let j = n_shared + rng.below(o.digests - n_shared);
+    format!("sha256:{:032x}{j:032x}", i as u64 + 1)
 }
 
 struct Node {
@@ -214,7 +233,7 @@ fn rss_mib() -> f64 {
 
 async fn run(o: Options) -> serde_json::Value {
     let wall = std::time::Instant::now();
-    let interval = Duration::from_secs(600);
+    let interval = o.interval;
     let sim = Sim {
         net: net::SimNet::new(o.latency),
         dir: tempfile::tempdir().expect("tempdir"),
@@ -236,7 +255,7 @@ async fn run(o: Options) -> serde_json::Value {
         let seeds: Vec<usize> = (0..i).collect();
         let node = sim.start(i, &seeds);
         let r = node.router.clone();
-        let k = keys(o.seed, i, o.digests);
+        let k = keys(i, o.digests, o.shared);
         tokio::spawn(async move {
             let _ = r.advertise(k).await;
         });
@@ -245,6 +264,7 @@ async fn run(o: Options) -> serde_json::Value {
     // The first round's announcements settle.
     tokio::time::sleep(Duration::from_secs(60)).await;
     let joined_s = begun.elapsed().as_secs_f64();
+    let first_round = dht_requests(&nodes) as f64 / o.nodes as f64;
 
     // Steady state: requests over a window.
     let before = dht_requests(&nodes);
@@ -257,9 +277,7 @@ async fn run(o: Options) -> serde_json::Value {
     for _ in 0..o.lookups {
         let asker = rng.below(o.nodes);
         let owner = (asker + 1 + rng.below(o.nodes - 1)) % o.nodes;
-        let key = digest_key(&Digest::sha256_of(
-            format!("{}/{owner}/{}", o.seed, rng.below(o.digests)).as_bytes(),
-        ));
+        let key = own_key(owner, &o, &mut rng);
         let (took, hit) = first_provider(&nodes[asker], &key).await;
         if hit {
             found_ms.push(took.as_secs_f64() * 1000.0);
@@ -270,31 +288,37 @@ async fn run(o: Options) -> serde_json::Value {
     let mut absent_ms = Vec::new();
     for i in 0..o.lookups.min(50) {
         let asker = rng.below(o.nodes);
-        let key = digest_key(&Digest::sha256_of(format!("absent/{i}").as_bytes()));
+        let key = format!("sha256:{:032x}{i:032x}", u64::MAX - 1);
         absent_ms.push(until_walk_ends(&nodes[asker], &key).await.as_secs_f64() * 1000.0);
     }
 
-    // A node that joins now: how long until another finds its keys.
+    // A node that joins now (a new identity, keys nobody else has): how long until 20 of
+    // its keys are found from other nodes, asked one after another, 200 ms after a miss.
     let newcomer = o.nodes;
     let seeds: Vec<usize> = (0..o.nodes).collect();
     let started = Instant::now();
     let node = sim.start(newcomer, &seeds);
-    let k = keys(o.seed, newcomer, o.digests);
-    let probe = k[rng.below(k.len())].clone();
     let r = node.router.clone();
+    let k = keys(newcomer, o.digests, o.shared);
     tokio::spawn(async move {
         let _ = r.advertise(k).await;
     });
     nodes.push(node);
-    let findable = loop {
+    let mut waiting: Vec<String> = (0..20).map(|_| own_key(newcomer, &o, &mut rng)).collect();
+    while let Some(key) = waiting.last()
+        && started.elapsed() < Duration::from_secs(600)
+    {
         let asker = rng.below(o.nodes);
-        if first_provider(&nodes[asker], &probe).await.1 {
-            break started.elapsed();
+        if first_provider(&nodes[asker], key).await.1 {
+            waiting.pop();
+        } else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        if started.elapsed() > Duration::from_secs(600) {
-            break Duration::MAX;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let findable = if waiting.is_empty() {
+        started.elapsed()
+    } else {
+        Duration::MAX
     };
     let mem = rss_mib() / (o.nodes + 1) as f64;
     sim.token.cancel();
@@ -310,6 +334,9 @@ async fn run(o: Options) -> serde_json::Value {
         "lookups_missed": missed,
         "notfound_ms_p50": percentile(&mut absent_ms, 0.5),
         "announce_msgs_per_node_per_s": msgs,
+        "first_round_msgs_per_node": first_round,
+        "shared_fraction": o.shared,
+        "interval_s": o.interval.as_secs(),
         "mem_mib_per_node": mem,
         "findable_after_start_s": if findable == Duration::MAX { -1.0 } else { findable.as_secs_f64() },
         "wall_s": wall.elapsed().as_secs_f64(),
