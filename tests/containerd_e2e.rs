@@ -803,12 +803,17 @@ fn idle_connections_never_take_every_slot_and_probes_keep_answering() {
 
 /// Resident memory of process `pid`, in KiB (`VmRSS`).
 fn rss_kib(pid: u32) -> u64 {
+    proc_status_kib(pid, "VmRSS:")
+}
+
+/// A `kB` line of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:` the peak).
+fn proc_status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS")
+        .expect(field)
 }
 
 /// Hostile streams keep memory bounded: 20,000 requests with 20,000 different unknown methods
@@ -1101,10 +1106,12 @@ fn hostile_clients_under_1024_open_files_never_stall_a_pull_or_a_probe() {
     }
     std::thread::sleep(Duration::from_secs(2));
 
+    let mut slowest_probe = Duration::ZERO;
     for _ in 0..3 {
         for path in ["/healthz", "/readyz"] {
             let started = std::time::Instant::now();
             let status = probe(ferry.metrics, path, Duration::from_secs(5));
+            slowest_probe = slowest_probe.max(started.elapsed());
             eprintln!("under attack {path}: {status:?} in {:?}", started.elapsed());
             assert_eq!(
                 status.as_deref(),
@@ -1126,13 +1133,37 @@ fn hostile_clients_under_1024_open_files_never_stall_a_pull_or_a_probe() {
     }
     let attacked = timed_pull("attacked");
     let rss = rss_kib(ferry.proc.pid());
+    let peak = proc_status_kib(ferry.proc.pid(), "VmHWM:");
     let open = metric_value(&metrics(), "process_open_fds").unwrap_or_default();
     eprintln!(
-        "pull of a 48 MiB image through Ferry: {calm:?} calm, {attacked:?} with {} hostile connections held ({:.1}x); RSS {} MiB; {open} descriptors open of 1024",
+        "pull of a 48 MiB image through Ferry: {calm:?} calm, {attacked:?} with {} hostile connections held ({:.1}x); RSS {} MiB (peak {} MiB); {open} descriptors open of 1024",
         held.len(),
         attacked.as_secs_f64() / calm.as_secs_f64(),
-        rss / 1024
+        rss / 1024,
+        peak / 1024
     );
+    // `./scripts/bench.sh --hostile` collects these figures (a benchmark, not an assertion).
+    if let Ok(out) = std::env::var("FERRY_BENCH_OUT") {
+        let figures = serde_json::json!({
+            "image_mib": 48,
+            "hostile_connections": held.len(),
+            "pull_calm_s": calm.as_secs_f64(),
+            "pull_attacked_s": attacked.as_secs_f64(),
+            "attacked_over_calm": attacked.as_secs_f64() / calm.as_secs_f64(),
+            "probe_ms_max": slowest_probe.as_secs_f64() * 1000.0,
+            "rss_mib": rss as f64 / 1024.0,
+            "rss_peak_mib": peak as f64 / 1024.0,
+            "fds_open": open,
+            "fd_limit": 1024,
+            "containerd_major": containerd_major(),
+        });
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(out)
+            .unwrap();
+        writeln!(file, "{figures}").unwrap();
+    }
     drop(held);
 
     // Once they are gone, Ferry serves the image again (a slot held by a slow reader comes back

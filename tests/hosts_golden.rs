@@ -229,3 +229,89 @@ fn upstreams_are_the_operators_resolving_hosts_then_the_server() {
         ["http://reg.corp:5000/v2"]
     );
 }
+
+/// L5: a `hosts.toml` or host directory that is a symbolic link (configuration management's)
+/// is left as it is, by configure and cleanup, and a file planted where Ferry writes its temp
+/// file is never written through.
+#[test]
+fn symbolic_links_and_planted_temp_files_are_left_alone() {
+    use ferry::containerd_config::dir::{Action, cleanup, configure};
+    use ferry::oci::registry::Registries;
+    use std::os::unix::fs::symlink;
+
+    let root = tempfile::tempdir().unwrap();
+    let hosts = root.path().join("certs.d");
+    let managed = root.path().join("cm");
+    fs::create_dir_all(hosts.join("docker.io")).unwrap();
+    fs::create_dir_all(managed.join("quay.io")).unwrap();
+    let original = "server = \"https://registry-1.docker.io\"\n";
+    fs::write(managed.join("hosts.toml"), original).unwrap();
+    fs::write(managed.join("quay.io/hosts.toml"), original).unwrap();
+    symlink(
+        managed.join("hosts.toml"),
+        hosts.join("docker.io/hosts.toml"),
+    )
+    .unwrap();
+    symlink(managed.join("quay.io"), hosts.join("quay.io")).unwrap();
+    // Whoever can write a host directory plants a link where a fixed temp name would be.
+    fs::create_dir_all(hosts.join("ghcr.io")).unwrap();
+    let canary = root.path().join("canary");
+    fs::write(&canary, "keep me").unwrap();
+    symlink(&canary, hosts.join("ghcr.io/hosts.toml.ferry-tmp")).unwrap();
+
+    let outcomes = configure(&hosts, &Registries::All, MIRROR, Ipv6Hosts::Dotted).unwrap();
+    let action = |dir: &str| {
+        outcomes
+            .iter()
+            .find(|o| o.path.starts_with(hosts.join(dir)))
+            .map(|o| o.action.clone())
+            .unwrap_or_else(|| panic!("no outcome for {dir}: {outcomes:?}"))
+    };
+    assert!(
+        matches!(action("docker.io"), Action::Skipped(r) if r.contains("symbolic link")),
+        "{outcomes:?}"
+    );
+    assert!(
+        matches!(action("quay.io"), Action::Skipped(r) if r.contains("symbolic link")),
+        "{outcomes:?}"
+    );
+    assert_eq!(action("ghcr.io"), Action::Created);
+    assert!(
+        fs::symlink_metadata(hosts.join("docker.io/hosts.toml"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(
+        fs::read_to_string(managed.join("hosts.toml")).unwrap(),
+        original
+    );
+    assert_eq!(
+        fs::read_to_string(managed.join("quay.io/hosts.toml")).unwrap(),
+        original
+    );
+    assert_eq!(fs::read_to_string(&canary).unwrap(), "keep me");
+    assert!(
+        fs::read_to_string(hosts.join("ghcr.io/hosts.toml"))
+            .unwrap()
+            .contains(MIRROR)
+    );
+
+    cleanup(&hosts).unwrap();
+    assert!(
+        fs::symlink_metadata(hosts.join("docker.io/hosts.toml"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(
+        fs::read_to_string(managed.join("hosts.toml")).unwrap(),
+        original
+    );
+    assert_eq!(
+        fs::read_to_string(managed.join("quay.io/hosts.toml")).unwrap(),
+        original
+    );
+    assert_eq!(fs::read_to_string(&canary).unwrap(), "keep me");
+    assert!(!hosts.join("ghcr.io/hosts.toml").exists());
+}

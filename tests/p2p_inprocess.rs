@@ -1084,3 +1084,51 @@ async fn a_peer_that_never_answers_costs_a_dial_its_timeout_and_a_quiet_client_i
     );
     stop(node).await;
 }
+
+/// L2: anyone can send bytes that fail the private-network handshake. From an address that
+/// is no node's (not bootstrap, never connected), that is counted but never raises "cluster
+/// secrets differ", a false lead during an incident.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_failing_the_handshake_does_not_raise_the_secrets_problem() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p2p = SocketAddr::new(LOOPBACK, free_port());
+    let node = start_with_key(
+        tmp.path(),
+        p2p,
+        SocketAddr::new(LOOPBACK, free_port()),
+        &[],
+        Some([7u8; 32]),
+    );
+    let failures = || {
+        node.metrics
+            .peer_handshake_failures
+            .get_or_create(&DirectionLabels {
+                direction: "incoming",
+            })
+            .get()
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(p2p).unwrap();
+        let mut nonce = [0u8; 24];
+        conn.read_exact(&mut nonce).unwrap();
+        // A nonce of its own, then 20 bytes that decrypt to anything but libp2p's header.
+        conn.write_all(&[0x5a; 44]).unwrap();
+        let mut rest = Vec::new();
+        let _ = conn.read_to_end(&mut rest);
+    })
+    .await
+    .unwrap();
+    eventually("the failed handshake is counted", || async {
+        failures() >= 1
+    })
+    .await;
+    assert!(
+        node.metrics
+            .encode()
+            .contains("ferry_config_problems{problem=\"peer_handshake_failing\"} 0"),
+        "a stranger raised the secrets problem"
+    );
+    stop(node).await;
+}

@@ -1008,3 +1008,40 @@ async fn a_resumed_blobs_tail_from_a_peer_is_checked_with_the_partial_download()
         n.stop().await;
     }
 }
+
+/// L10: a blob HEAD answered by a peer names the digest asked for; a peer that names another
+/// is charged and the next provider answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_head_from_a_peer_names_the_digest_asked_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let network = MemoryNetwork::new();
+    let (good, layer, bytes) = good_node(tmp.path(), &network).await;
+    let liar = typed_peer(
+        Bytes::from_static(b"other bytes"),
+        "application/octet-stream",
+    )
+    .await;
+    for (id, addr) in [("a-liar", liar), ("b-good", good.peer)] {
+        advertise(&network, id, addr, &layer).await;
+    }
+    let asker = asker(&tmp.path().join("asker"), &network, |_| {}).await;
+    let url = format!("http://{}/v2/team/app/blobs/{layer}", asker.mirror);
+    let r = reqwest::Client::new().head(&url).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["docker-content-digest"].to_str().unwrap(),
+        layer
+    );
+    assert_eq!(
+        r.headers()["content-length"].to_str().unwrap(),
+        bytes.len().to_string()
+    );
+    assert_eq!(
+        metric(asker.ops, "ferry_peer_failures_total{stage=\"verify\"}").await,
+        1,
+        "the peer naming another digest is charged"
+    );
+    for n in [good, asker] {
+        n.stop().await;
+    }
+}

@@ -184,7 +184,8 @@ pub async fn serve(
         .then(|| {
             let (hosts_dir, url) = (config.hosts_dir.clone(), config.mirror_url());
             let (metrics, token) = (node.metrics.clone(), node.token.clone());
-            UpstreamWatch::watch(&config.registries, hosts_dir, url, metrics, token)
+            let store = node.store.clone();
+            UpstreamWatch::watch(&config.registries, hosts_dir, url, store, metrics, token)
         })
         .flatten();
     let mirror = MirrorState {

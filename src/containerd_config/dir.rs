@@ -9,8 +9,11 @@ use super::hosts::{self, Cleaned, Ipv6Hosts, Merged};
 use crate::oci::registry::Registries;
 
 const HOSTS_FILE: &str = "hosts.toml";
-/// The temp file next to `hosts.toml`; renamed over it, so containerd never reads half a file.
-const TEMP_FILE: &str = "hosts.toml.ferry-tmp";
+/// The temp files next to `hosts.toml` start so; one is renamed over it, so containerd never
+/// reads half a file.
+const TEMP_PREFIX: &str = "hosts.toml.ferry-tmp";
+/// A temp file this old is a crashed write's, not a running Ferry's: cleanup removes it.
+const STALE_TEMP: std::time::Duration = std::time::Duration::from_secs(60);
 /// containerd's directory for registries without one of their own.
 pub const DEFAULT_DIR: &str = "_default";
 /// Files containerd reads as certificates when a host directory has no `hosts.toml`.
@@ -104,6 +107,9 @@ fn configure_one(
             action,
         })
     };
+    if let Some(reason) = symlinked(&dir, &path) {
+        return outcome(Action::Skipped(reason));
+    }
 
     if !dir.exists() {
         fs::create_dir_all(&dir).map_err(io_err(&dir))?;
@@ -193,8 +199,11 @@ pub fn cleanup(hosts_dir: &Path) -> Result<Vec<Outcome>, DirError> {
 }
 
 fn cleanup_one(dir: &Path) -> Result<Option<Outcome>, DirError> {
-    let _ = fs::remove_file(dir.join(TEMP_FILE));
     let path = dir.join(HOSTS_FILE);
+    if symlinked(dir, &path).is_some() {
+        return Ok(None);
+    }
+    remove_stale_temps(dir);
     let text = match fs::read(&path) {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(text) => text,
@@ -222,11 +231,41 @@ fn cleanup_one(dir: &Path) -> Result<Option<Outcome>, DirError> {
     Ok(Some(Outcome { path, action }))
 }
 
+/// Why a host directory or its `hosts.toml` is left alone: a symbolic link is someone else's
+/// file (configuration management), which Ferry would replace with a copy or write through.
+fn symlinked(dir: &Path, path: &Path) -> Option<String> {
+    let is_link = |p: &Path| fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink());
+    if is_link(dir) {
+        Some("the host directory is a symbolic link; left untouched".into())
+    } else if is_link(path) {
+        Some("hosts.toml is a symbolic link; left untouched".into())
+    } else {
+        None
+    }
+}
+
+/// Removes temp files a crashed write left, never one a running Ferry is writing.
+fn remove_stale_temps(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let stale = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > STALE_TEMP));
+        if stale && entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
 fn existing_host_dirs(hosts_dir: &Path) -> Result<Vec<String>, DirError> {
     let mut dirs = Vec::new();
     for entry in fs::read_dir(hosts_dir).map_err(io_err(hosts_dir))? {
         let entry = entry.map_err(io_err(hosts_dir))?;
-        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        // A symbolic link to a directory is listed, so that it is reported as skipped.
+        let is_dir = fs::metadata(entry.path()).is_ok_and(|m| m.is_dir());
         if let (true, Some(name)) = (is_dir, entry.file_name().to_str())
             && !name.starts_with('.')
         {
@@ -248,12 +287,19 @@ fn has_legacy_certs(dir: &Path) -> Result<bool, DirError> {
     Ok(false)
 }
 
-/// Temp file, fsync, rename: readers see the old file or the new one. The mode is kept.
+/// Temp file, fsync, rename: readers see the old file or the new one. The mode is kept. The
+/// temp file is created new (`O_EXCL`: never a file or link planted there) under a new name.
 fn write_atomic(path: &Path, text: &str) -> Result<(), DirError> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = dir.join(TEMP_FILE);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = dir.join(format!("{TEMP_PREFIX}.{}.{nanos}", std::process::id()));
     let result = (|| {
-        let mut file = fs::File::create(&tmp)?;
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         file.write_all(text.as_bytes())?;
         if let Ok(meta) = fs::metadata(path) {
             file.set_permissions(meta.permissions())?;

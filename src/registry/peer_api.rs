@@ -7,14 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 
-use axum::Router;
 use axum::extract::Request;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use axum::{Extension, Router};
 use tokio::sync::watch;
 
 use super::in_flight::{self, Opened};
@@ -30,12 +31,13 @@ use crate::keep::Keeper;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::net::limits::{self, LogEvery};
 use crate::net::pace::{self, Pace};
+use crate::net::server::ConnAddrs;
 use crate::oci::Digest;
 use crate::oci::registry::Registries;
 use crate::oci::{ApiPath, Reference};
 use crate::routing::Peer;
 use crate::routing::sync::Exposed;
-use crate::routing::{digest_key, tag_key};
+use crate::routing::{digest_key, plausible_peer_id, plausible_peer_ip, tag_key};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing};
 use crate::trust::{ClusterSecret, token};
@@ -114,7 +116,12 @@ impl Mirrored for Arc<PeerApi> {
     }
 }
 
-async fn claim(State(api): State<Arc<PeerApi>>, Path(digest): Path<String>, uri: Uri) -> Response {
+async fn claim(
+    State(api): State<Arc<PeerApi>>,
+    Path(digest): Path<String>,
+    conn: Option<Extension<ConnAddrs>>,
+    uri: Uri,
+) -> Response {
     let state = &api.state;
     let Some(coalesce) = &state.coalesce else {
         return ApiError::Unsupported.into_response();
@@ -127,17 +134,27 @@ async fn claim(State(api): State<Arc<PeerApi>>, Path(digest): Path<String>, uri:
         form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
             .into_owned()
             .collect();
+    let seen_from = conn.map(|Extension(c)| c.remote.ip());
     let claimant = match (
         query.get("peer"),
-        query.get("addr").and_then(|a| a.parse().ok()),
+        query.get("addr").and_then(|a| a.parse::<SocketAddr>().ok()),
     ) {
-        (Some(id), Some(addr)) => Peer {
-            id: id.clone(),
-            addr,
-        },
+        (Some(id), Some(addr))
+            if plausible_peer_id(id)
+                && seen_from.is_none_or(|from| plausible_peer_ip(addr.ip(), from)) =>
+        {
+            Peer {
+                id: id.clone(),
+                addr,
+            }
+        }
         _ => return ApiError::Unsupported.into_response(),
     };
-    let grant = coalesce.claim(&digest, &claimant, query.get("failed").map(String::as_str));
+    let failed = query.get("failed").map(String::as_str);
+    if failed.is_some_and(|f| !plausible_peer_id(f)) {
+        return ApiError::Unsupported.into_response();
+    }
+    let grant = coalesce.claim(&digest, &claimant, failed);
     axum::Json(ClaimAnswer::from_grant(&grant)).into_response()
 }
 
@@ -146,7 +163,9 @@ async fn handle(State(api): State<Arc<PeerApi>>, pull: Pull) -> Response {
 }
 
 async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
-    let follower = req.headers.get(FOLLOW_HEADER).and_then(|v| v.to_str().ok());
+    let follower = (req.headers.get(FOLLOW_HEADER))
+        .and_then(|v| v.to_str().ok())
+        .filter(|f| plausible_peer_id(f));
     if let (Some(coalesce), Some(digest), Some(follower)) =
         (&api.state.coalesce, by_digest(&req.path), follower)
         && let Some(role) = coalesce.role_soon(digest).await

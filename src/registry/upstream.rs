@@ -2,7 +2,7 @@
 //! (`--resolve-tags when-upstream-fails`): a verdict per registry, refreshed in the background
 //! (`docs/design/upstream-probe.md`). Invariant: a pull never waits for a probe.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,13 +13,20 @@ use tokio_util::sync::CancellationToken;
 use crate::containerd_config::dir::upstream_roots;
 use crate::metrics::{Metrics, ProbeLabels, RegistryLabels};
 use crate::oci::registry::Registries;
+use crate::store::ContentStore;
 
 /// At most 6 probes a minute per registry in use.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(10);
 /// No answer within this: not answering (containerd dials for 30 s; this slow fails pulls).
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
-/// `ns` comes from any local process: beyond this many, a registry counts as answering.
+/// Beyond this many registries, a registry counts as answering.
 const MAX_WATCHED: usize = 256;
+/// `ns` comes from any local process: of the registries the node has no sign of using (no
+/// host directory of their own, not `--registries`, no image from them), at most this many are
+/// probed at once, and none is named in the metrics (no port-scan oracle, no crowding out).
+const MAX_UNNAMED: usize = 8;
+/// How often the registries of the node's images are read again.
+const IMAGES_EVERY: Duration = Duration::from_secs(60);
 /// Named registries excepted, one idle this long is no longer probed.
 const IDLE_AFTER: Duration = Duration::from_secs(300);
 
@@ -81,11 +88,16 @@ struct Inner {
     metrics: Arc<Metrics>,
     token: CancellationToken,
     registries: Mutex<HashMap<String, Entry>>,
+    /// The node's images, for the registries they came from.
+    store: Option<Arc<dyn ContentStore>>,
+    /// The registries of the node's images, and when they were read.
+    in_images: Mutex<(Option<Instant>, HashSet<String>)>,
 }
 
 struct Entry {
     verdict: Verdict,
     used: Instant,
+    named: bool,
 }
 
 impl std::fmt::Debug for UpstreamWatch {
@@ -102,6 +114,7 @@ impl UpstreamWatch {
         registries: &Registries,
         hosts_dir: PathBuf,
         mirror_url: String,
+        store: Arc<dyn ContentStore>,
         metrics: Arc<Metrics>,
         token: CancellationToken,
     ) -> Option<UpstreamWatch> {
@@ -116,7 +129,7 @@ impl UpstreamWatch {
             interval: PROBE_INTERVAL,
             timeout: PROBE_TIMEOUT,
         };
-        match UpstreamWatch::start(config, metrics, token) {
+        match UpstreamWatch::start(config, Some(store), metrics, token) {
             Ok(watch) => Some(watch),
             Err(e) => {
                 tracing::error!(error = %e, "tags always resolve upstream: the registries cannot be probed");
@@ -128,6 +141,7 @@ impl UpstreamWatch {
     /// Probes stop when `token` is cancelled.
     pub fn start(
         config: UpstreamConfig,
+        store: Option<Arc<dyn ContentStore>>,
         metrics: Arc<Metrics>,
         token: CancellationToken,
     ) -> Result<UpstreamWatch, UpstreamError> {
@@ -139,6 +153,8 @@ impl UpstreamWatch {
                 metrics,
                 token,
                 registries: Mutex::new(HashMap::new()),
+                store,
+                in_images: Mutex::new((None, HashSet::new())),
             }),
         };
         for registry in watch.inner.config.watched.clone() {
@@ -153,12 +169,14 @@ impl UpstreamWatch {
     }
 
     fn track(&self, registry: &str) -> Verdict {
+        let named = self.inner.named(registry);
         let mut registries = self.lock();
         if let Some(entry) = registries.get_mut(registry) {
             entry.used = Instant::now();
             return entry.verdict;
         }
-        if registries.len() >= MAX_WATCHED {
+        let unnamed = registries.values().filter(|e| !e.named).count();
+        if registries.len() >= MAX_WATCHED || (!named && unnamed >= MAX_UNNAMED) {
             return Verdict::Unknown;
         }
         registries.insert(
@@ -166,6 +184,7 @@ impl UpstreamWatch {
             Entry {
                 verdict: Verdict::Unknown,
                 used: Instant::now(),
+                named,
             },
         );
         drop(registries);
@@ -179,6 +198,48 @@ impl UpstreamWatch {
             .registries
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Inner {
+    /// Whether the node shows signs of using `registry`: listed, a host directory of its
+    /// own, or an image from it. No I/O but two `stat`s: it is asked on the request path.
+    fn named(&self, registry: &str) -> bool {
+        let dir = &self.config.hosts_dir;
+        let own_dir = registry
+            .rsplit_once(':')
+            .is_some_and(|(name, port)| dir.join(format!("{name}_{port}_")).is_dir())
+            || dir.join(registry).is_dir();
+        self.config.watched.iter().any(|r| r == registry)
+            || own_dir
+            || self.lock_images().1.contains(registry)
+    }
+
+    /// Reads the registries of the node's images again if the last read is old.
+    async fn refresh_images(&self) {
+        let Some(store) = &self.store else {
+            return;
+        };
+        if self
+            .lock_images()
+            .0
+            .is_some_and(|at| at.elapsed() < IMAGES_EVERY)
+        {
+            return;
+        }
+        self.lock_images().0 = Some(Instant::now());
+        let Ok(images) = store.images().await else {
+            return;
+        };
+        let found = images
+            .iter()
+            .filter_map(|i| i.name.split_once('/').map(|(r, _)| r.to_string()))
+            .collect();
+        self.lock_images().1 = found;
+    }
+
+    fn lock_images(&self) -> std::sync::MutexGuard<'_, (Option<Instant>, HashSet<String>)> {
+        self.in_images.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -211,11 +272,15 @@ async fn watch(inner: Arc<Inner>, registry: String, keep: bool) {
             .upstream_probes
             .get_or_create(&ProbeLabels { result })
             .inc();
-        inner
-            .metrics
-            .upstream_up
-            .get_or_create(&labels)
-            .set(i64::from(verdict == Verdict::Answering));
+        inner.refresh_images().await;
+        let named = inner.named(&registry);
+        if named {
+            inner
+                .metrics
+                .upstream_up
+                .get_or_create(&labels)
+                .set(i64::from(verdict == Verdict::Answering));
+        }
         match (last, verdict) {
             (Verdict::NotAnswering(_), Verdict::Answering) => {
                 tracing::info!(%registry, "registry answers again: tags resolve upstream")
@@ -235,6 +300,7 @@ async fn watch(inner: Arc<Inner>, registry: String, keep: bool) {
                 return;
             };
             entry.verdict = verdict;
+            entry.named = named;
         }
         tokio::select! {
             _ = inner.token.cancelled() => return,
@@ -392,20 +458,11 @@ mod tests {
         let addr = listener.local_addr().expect("addr");
         drop(listener);
         let registry = format!("127.0.0.1:{}", addr.port());
+        // A host directory of its own: a registry the node uses, named in the metrics.
+        std::fs::create_dir(dir.path().join(format!("127.0.0.1_{}_", addr.port()))).expect("dir");
         let metrics = Arc::new(Metrics::new());
         let token = CancellationToken::new();
-        let watch = UpstreamWatch::start(
-            UpstreamConfig {
-                hosts_dir: dir.path().to_path_buf(),
-                mirror_url: "http://127.0.0.1:5480".into(),
-                watched: Vec::new(),
-                interval: Duration::from_millis(50),
-                timeout: Duration::from_millis(500),
-            },
-            metrics.clone(),
-            token.clone(),
-        )
-        .expect("watch");
+        let watch = quick_watch(dir.path(), Vec::new(), &metrics, &token);
         // First use: treated as answering while its probe runs.
         assert_eq!(watch.verdict(&registry), Verdict::Unknown);
         let settle = |want: Verdict| {
@@ -434,6 +491,66 @@ mod tests {
         let app = Router::new().route("/v2/", get(|| async { StatusCode::UNAUTHORIZED }));
         tokio::spawn(async move { axum::serve(listener, app).await });
         settle(Verdict::Answering).await;
+        token.cancel();
+    }
+
+    fn quick_watch(
+        hosts_dir: &std::path::Path,
+        watched: Vec<String>,
+        metrics: &Arc<Metrics>,
+        token: &CancellationToken,
+    ) -> UpstreamWatch {
+        UpstreamWatch::start(
+            UpstreamConfig {
+                hosts_dir: hosts_dir.to_path_buf(),
+                mirror_url: "http://127.0.0.1:5480".into(),
+                watched,
+                interval: Duration::from_millis(50),
+                timeout: Duration::from_millis(500),
+            },
+            None,
+            metrics.clone(),
+            token.clone(),
+        )
+        .expect("watch")
+    }
+
+    /// L1: `ns` is any local process's choice. Hundreds of made-up registries are neither
+    /// named in the metrics nor probed beyond a few, and a registry the node uses still
+    /// flips to not answering.
+    #[tokio::test]
+    async fn made_up_registries_are_not_named_and_cannot_crowd_out_real_ones() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let real = format!("127.0.0.1:{}", listener.local_addr().expect("addr").port());
+        drop(listener);
+        let metrics = Arc::new(Metrics::new());
+        let token = CancellationToken::new();
+        let watch = quick_watch(dir.path(), vec![real.clone()], &metrics, &token);
+        for i in 0..300 {
+            watch.verdict(&format!("127.0.0.{}:{}", 2 + i % 200, 1000 + i));
+        }
+        let probed = watch.lock().len();
+        assert_eq!(
+            probed,
+            1 + MAX_UNNAMED,
+            "the listed one and a few made-up ones"
+        );
+        let mut flipped = false;
+        for _ in 0..200 {
+            if matches!(watch.verdict(&real), Verdict::NotAnswering(_)) {
+                flipped = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(flipped, "the registry in use is still probed");
+        let text = metrics.encode();
+        assert_eq!(
+            text.matches("ferry_upstream_up{").count(),
+            1,
+            "only the listed registry is named: {text}"
+        );
         token.cancel();
     }
 }

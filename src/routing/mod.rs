@@ -12,7 +12,7 @@ pub mod p2p;
 pub mod rendezvous;
 pub mod sync;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -69,6 +69,35 @@ pub trait ContentRouting: Send + Sync + 'static {
     async fn withdraw(&self, keys: Vec<String>) -> Result<(), RoutingError>;
 }
 
+/// A peer ID as another node states it (a claim's, a follower's): short and plain, so that no
+/// member can fill a coordinator's tables with long strings.
+pub fn plausible_peer_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// Whether a node seen at `seen_from` may name `addr` as its own: a loopback, link-local,
+/// multicast or unspecified address only where it is itself on loopback (one machine), so a
+/// member cannot point other nodes' requests and dials at their own local services.
+pub fn plausible_peer_ip(addr: IpAddr, seen_from: IpAddr) -> bool {
+    let local = |ip: IpAddr| match ip {
+        IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
+            None => v6.is_loopback() || v6.is_unicast_link_local() || v6.is_unspecified(),
+        },
+    };
+    let on_loopback = match seen_from {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    };
+    on_loopback || !(local(addr) || addr.is_multicast())
+}
+
 pub fn digest_key(digest: &Digest) -> String {
     digest.to_string()
 }
@@ -76,4 +105,37 @@ pub fn digest_key(digest: &Digest) -> String {
 /// The key for a tag, as containerd names images.
 pub fn tag_key(registry: &str, repository: &str, tag: &str) -> String {
     format!("{registry}/{repository}:{tag}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stated_ids_and_addresses_are_checked() {
+        assert!(plausible_peer_id(
+            "12D3KooWRm1u7Rb4Hfz3zE6F2qYd9nTzJ5cWx7o8vQp4ab3iXyZt"
+        ));
+        assert!(!plausible_peer_id(&"a".repeat(60 * 1024)));
+        assert!(!plausible_peer_id("a&failed=b") && !plausible_peer_id(""));
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let node = ip("10.0.0.7");
+        assert!(plausible_peer_ip(ip("10.0.0.8"), node));
+        assert!(plausible_peer_ip(ip("fd00::8"), node));
+        for bad in [
+            "127.0.0.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "::1",
+            "fe80::1",
+            "224.0.0.1",
+            "::ffff:127.0.0.1",
+        ] {
+            assert!(!plausible_peer_ip(ip(bad), node), "{bad}");
+        }
+        assert!(
+            plausible_peer_ip(ip("127.0.0.1"), ip("127.0.0.1")),
+            "one machine"
+        );
+    }
 }

@@ -40,7 +40,7 @@ pub use client::{ClaimAnswer, PeerCall, PeerClient};
 pub use failure::{PeerFailure, PeerMiss};
 use health::PeerHealth;
 use response::PeerResponse;
-use response::{built, forward_headers};
+use response::built;
 
 /// The data directory's file of lookup times (`bound.rs`), kept across restarts.
 pub const LOOKUP_TIMES_FILE: &str = "lookup-times";
@@ -240,13 +240,23 @@ impl PeerFetcher {
                 }
                 continue;
             }
-            if req.head {
-                return built(forward_headers(&response, Body::empty()));
-            }
             let Some(fetch) = Fetch::from_response(&response, digest.clone()) else {
                 failed(&peer, PeerFailure::Extent);
                 continue;
             };
+            if req.head {
+                // L10: only the length is the peer's word (no bytes to check it by); the
+                // digest named is the one asked for, or the peer is charged.
+                let stated = response.headers().get(oci::DOCKER_CONTENT_DIGEST);
+                if stated.is_some_and(|v| v.as_bytes() != digest.to_string().as_bytes()) {
+                    failed(
+                        &peer,
+                        PeerFailure::Verify(format!("a HEAD naming another digest than {digest}")),
+                    );
+                    continue;
+                }
+                return built(fetch.response(Body::empty()));
+            }
             let budget = (fetch.total <= self.config.verify_before_serving)
                 .then(|| self.buffer(fetch.total));
             match budget {

@@ -3,7 +3,6 @@
 
 use std::io;
 
-use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
@@ -13,7 +12,6 @@ use tokio::io::AsyncReadExt;
 use tokio_util::io::ReaderStream;
 
 use super::failure::{PeerFailure, PeerMiss};
-use crate::oci;
 
 /// Large reads keep per-chunk work small next to the bytes.
 const RAW_READ_BYTES: usize = 256 * 1024;
@@ -107,26 +105,4 @@ pub(super) fn built(answer: Result<Response, axum::http::Error>) -> Result<Respo
         tracing::warn!(error = %e, "a peer's answer could not be passed on");
         PeerMiss::Unbuildable
     })
-}
-
-pub(super) fn forward_headers(
-    response: &PeerResponse,
-    body: Body,
-) -> Result<Response, axum::http::Error> {
-    let mut out = Response::builder().status(response.status());
-    for name in [
-        header::CONTENT_TYPE,
-        header::CONTENT_LENGTH,
-        header::CONTENT_RANGE,
-        header::ACCEPT_RANGES,
-        header::ETAG,
-    ] {
-        if let Some(v) = response.headers().get(&name) {
-            out = out.header(name, v.clone());
-        }
-    }
-    if let Some(v) = response.headers().get(oci::DOCKER_CONTENT_DIGEST) {
-        out = out.header(oci::DOCKER_CONTENT_DIGEST, v.clone());
-    }
-    out.body(body)
 }

@@ -54,7 +54,7 @@ impl Behaviour {
     }
 }
 
-fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
+pub(super) fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
     addr.iter().find_map(|p| match p {
         Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
         Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),

@@ -2,6 +2,7 @@
 //! as its reply channel is dropped when the query is over.
 
 use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -22,11 +23,12 @@ use super::closest::{Closest, Coordinator};
 use super::dials::BootstrapDials;
 use super::key_check;
 use super::peer_addrs::PeerAddrs;
+use super::per_ip;
 use super::{Command, Status};
 use crate::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
 use crate::ops::problems::Problems;
-use crate::routing::Peer;
 use crate::routing::bootstrap::Bootstrap;
+use crate::routing::{Peer, plausible_peer_ip};
 
 mod coordinator;
 
@@ -71,7 +73,13 @@ pub(crate) struct EventLoop {
     announcer: Announcer,
     /// The full bootstrap ran since this node last had no peer.
     kad_bootstrapped: bool,
+    /// Addresses of nodes (bootstrap, connected): only a failed handshake from one of them
+    /// raises the problem, since anyone can send bytes that fail one.
+    known_ips: HashSet<IpAddr>,
 }
+
+/// Enough for every node of a large cluster; past it, no new address is learnt.
+const MAX_KNOWN_IPS: usize = 16_384;
 
 impl EventLoop {
     pub(crate) fn new(
@@ -103,6 +111,7 @@ impl EventLoop {
             coordinator_waiting: HashMap::new(),
             coordinator_walks: HashSet::new(),
             kad_bootstrapped: false,
+            known_ips: HashSet::new(),
         }
     }
 
@@ -166,11 +175,15 @@ impl EventLoop {
         tracing::debug!("peer-to-peer task stopped");
     }
 
-    fn handshake_failed(&self, direction: &'static str, error: &str) {
+    /// Counted always; the problem is raised only for a node (`known`).
+    fn handshake_failed(&self, direction: &'static str, error: &str, known: bool) {
         self.metrics
             .peer_handshake_failures
             .get_or_create(&DirectionLabels { direction })
             .inc();
+        if !known {
+            return;
+        }
         self.problems.set_for(
             "peer_handshake_failing",
             format!(
@@ -178,6 +191,14 @@ impl EventLoop {
             ),
             HANDSHAKE_PROBLEM_FOR,
         );
+    }
+
+    fn learn_ip(&mut self, addr: &libp2p::Multiaddr) {
+        if self.known_ips.len() < MAX_KNOWN_IPS
+            && let Some(ip) = per_ip::ip_of(addr)
+        {
+            self.known_ips.insert(ip);
+        }
     }
 
     /// DNS and the Kubernetes API can be slow: resolve off the loop.
@@ -193,6 +214,9 @@ impl EventLoop {
     }
 
     fn bootstrap_dial(&mut self, addrs: Vec<libp2p::Multiaddr>) {
+        for addr in &addrs {
+            self.learn_ip(addr);
+        }
         // A peer may have connected since the resolution started.
         if self.swarm.connected_peers().next().is_some() {
             return;
@@ -257,6 +281,7 @@ impl EventLoop {
                 ..
             } => {
                 self.dials.ended(connection_id);
+                self.learn_ip(endpoint.get_remote_address());
                 self.status
                     .connected_since
                     .write()
@@ -311,7 +336,7 @@ impl EventLoop {
                 // Only a failed handshake (not a refusal) means another secret.
                 let text = error.to_string();
                 if key_check::dial_failed_handshake(&text) {
-                    self.handshake_failed("outgoing", &text);
+                    self.handshake_failed("outgoing", &text, true);
                 }
                 if let Some(peer) = peer_id {
                     self.awaiting_identify.remove(&peer);
@@ -325,7 +350,10 @@ impl EventLoop {
                 let causes = key_check::causes(&error);
                 tracing::debug!(%send_back_addr, error = %causes, "incoming connection failed");
                 if key_check::incoming_failed_handshake(&causes) {
-                    self.handshake_failed("incoming", &format!("from {send_back_addr}: {causes}"));
+                    let known = per_ip::ip_of(&send_back_addr)
+                        .is_some_and(|ip| self.known_ips.contains(&ip));
+                    let error = format!("from {send_back_addr}: {causes}");
+                    self.handshake_failed("incoming", &error, known);
                 }
             }
             SwarmEvent::NewListenAddr { address, .. } => {
@@ -461,8 +489,16 @@ impl EventLoop {
             tracing::debug!(%peer_id, agent = %info.agent_version, "no peer address in identify");
             return;
         };
+        // A member names its own addresses: none that would point dials at this node itself.
+        let own = self.local.addr.ip();
+        if !plausible_peer_ip(http.ip(), own) {
+            tracing::debug!(%peer_id, %http, "implausible peer address in identify; ignored");
+            return;
+        }
         for addr in info.listen_addrs {
-            self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+            if per_ip::ip_of(&addr).is_none_or(|ip| plausible_peer_ip(ip, own)) {
+                self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+            }
         }
         let peer = self.http_addrs.heard(peer_id, http, Instant::now());
         if self.swarm.is_connected(&peer_id) {
