@@ -105,19 +105,20 @@ impl Leases {
     }
 }
 
-/// Drops expired leases, then the oldest, to keep the table within [`MAX_LEASES`].
+/// Drops expired leases, then the oldest tenth, to keep the table within [`MAX_LEASES`]: one
+/// walk of the table per tenth of it, not one per claim, when claims for random digests
+/// keep it full.
 fn make_room(table: &mut HashMap<Digest, Tree>, now: Instant) {
     if table.len() < MAX_LEASES {
         return;
     }
     table.retain(|_, t| now.saturating_duration_since(t.granted) < LEASE);
-    if table.len() >= MAX_LEASES
-        && let Some(oldest) = table
-            .iter()
-            .min_by_key(|(_, t)| t.granted)
-            .map(|(d, _)| d.clone())
-    {
-        table.remove(&oldest);
+    if table.len() >= MAX_LEASES {
+        let mut ages: Vec<Instant> = table.values().map(|t| t.granted).collect();
+        let tenth = MAX_LEASES / 10;
+        let (_, cut, _) = ages.select_nth_unstable(tenth);
+        let cut = *cut;
+        table.retain(|_, t| t.granted > cut);
     }
 }
 
@@ -275,6 +276,31 @@ mod tests {
             Grant::Lead => "lead".into(),
             Grant::Follow { source, .. } => source.id,
         }
+    }
+
+    /// M3: claims for random digests keep the table full; it stays within its bound, the
+    /// newest leases are kept, and the walk to make room comes once per tenth of the table.
+    #[test]
+    fn a_flood_of_claims_keeps_the_table_bounded_and_the_newest_leases() {
+        let leases = Leases::default();
+        let start = Instant::now();
+        let at = |i: usize| start + Duration::from_micros(i as u64);
+        let digest = |i: usize| Digest::sha256_of(&i.to_le_bytes());
+        for i in 0..MAX_LEASES + 5 {
+            leases.claim(&digest(i), &peer("a"), None, at(i));
+        }
+        let len = || leases.table.lock().unwrap().len();
+        assert!(len() <= MAX_LEASES && len() >= MAX_LEASES - MAX_LEASES / 10);
+        let newest = MAX_LEASES + 4;
+        assert_eq!(
+            src(leases.claim(&digest(newest), &peer("b"), None, at(newest))),
+            "a"
+        );
+        assert_eq!(
+            src(leases.claim(&digest(0), &peer("b"), None, at(newest))),
+            "lead",
+            "the oldest went"
+        );
     }
 
     #[test]

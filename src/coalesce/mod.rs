@@ -106,6 +106,8 @@ pub struct Coalescer {
     parts: Mutex<HashMap<Digest, Part>>,
     /// When `parts` was last swept of expired parts and spent windows.
     swept: Mutex<Instant>,
+    /// Told when a part takes a role, for requests that wait for one (`role_soon`).
+    roles: tokio::sync::Notify,
     claims: Arc<dyn ClaimSender>,
     transfers: Arc<Transfers>,
 }
@@ -147,6 +149,7 @@ impl Coalescer {
             leases: Leases::new(relay_fanout),
             parts: Mutex::new(HashMap::new()),
             swept: Mutex::new(Instant::now()),
+            roles: tokio::sync::Notify::new(),
             claims,
             transfers: Arc::default(),
         }
@@ -216,6 +219,8 @@ impl Coalescer {
             part.role = role;
             part.leader = leader;
             part.since = Instant::now();
+            drop(parts);
+            self.roles.notify_waiters();
         }
         let (role, result) = match &decision {
             Decision::Lead => ("leader", "upstream"),
@@ -390,15 +395,16 @@ impl Coalescer {
     /// [`Coalescer::role`], waiting up to [`CLAIM_TIMEOUT`]: a follower may ask before the
     /// answer to this node's own claim has reached it.
     pub async fn role_soon(&self, digest: &Digest) -> Option<Role> {
-        let deadline = Instant::now() + CLAIM_TIMEOUT;
+        let deadline = tokio::time::Instant::now() + CLAIM_TIMEOUT;
         loop {
+            // Registered before the check, so a role taken in between is not missed.
+            let taken = self.roles.notified();
             if let Some(role) = self.role(digest) {
                 return Some(role);
             }
-            if Instant::now() >= deadline {
-                return None;
+            if tokio::time::timeout_at(deadline, taken).await.is_err() {
+                return self.role(digest);
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
 
