@@ -78,9 +78,17 @@ where
         let parsed = match parts.extensions.remove::<Parsed>() {
             Some(Parsed(parsed)) => parsed,
             None => path::parse(parts.uri.path()),
-        };
+        }?;
+        // containerd always names the registry to a mirror: without `ns`, `--registries` could
+        // not keep an unmirrored registry's content from a local reader (M2a).
+        if ns.is_none()
+            && matches!(state.registries(), Registries::Only(_))
+            && parsed != ApiPath::Base
+        {
+            return Err(ApiError::NotMirrored(String::new()));
+        }
         Ok(Pull {
-            path: parsed?,
+            path: parsed,
             head,
             ns,
             headers: std::mem::take(&mut parts.headers),

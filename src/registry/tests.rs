@@ -284,11 +284,16 @@ async fn registries_not_mirrored_are_not_served() {
     );
     let (status, _, _) = call(
         &f,
-        only,
+        only.clone(),
         "GET",
         &format!("/v2/x/blobs/{}?ns=ghcr.io", f.layer),
     )
     .await;
+    assert_eq!(status, StatusCode::OK);
+    // M2a: a reader that names no registry gets nothing by digest while --registries is set.
+    let (status, _, _) = call(&f, only.clone(), "GET", &format!("/v2/x/blobs/{}", f.layer)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _, _) = call(&f, only, "GET", "/v2/").await;
     assert_eq!(status, StatusCode::OK);
 }
 
