@@ -840,6 +840,7 @@ fn start_node(i: usize, owner: usize, identity: &str, shape: &Shape) -> SimNode 
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
         idle_timeout: shape.idle,
         caps: ConnectionCaps::default(),
+        draws_seed: None,
     };
     let (router, task) = P2pRouter::start(
         config,

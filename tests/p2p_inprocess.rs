@@ -110,6 +110,7 @@ fn start_from(
         bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
         idle_timeout,
         caps: ConnectionCaps::default(),
+        draws_seed: None,
     };
     let token = CancellationToken::new();
     let metrics = Arc::new(Metrics::new());

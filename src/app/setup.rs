@@ -184,6 +184,7 @@ impl PeerSetup {
                 bootstrap_dials: config.bootstrap_dials,
                 idle_timeout: IDLE_CONNECTION_TIMEOUT,
                 caps: connection_caps(Budgets::for_this_process()),
+                draws_seed: None,
             },
             bootstrap: Bootstraps(sources),
             bootstrap_configured: !config.bootstrap_peers.is_empty()

@@ -1,10 +1,8 @@
 //! Anchor connections: the few a node keeps open while the rest idle out, so it is never
 //! without peers between rounds. Invariant: at most [`ANCHORS`] held, [`MAX_INBOUND`] taken.
 
-use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
-use std::hash::BuildHasher;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -19,6 +17,7 @@ use libp2p::swarm::{
 use libp2p::{Multiaddr, PeerId};
 
 use super::anchor_handler::{Command, Event, Handler};
+use super::draws::Draws;
 
 /// Connections this node holds open: two would do for reachability; four survive two peers
 /// restarting at once.
@@ -39,12 +38,12 @@ pub(super) struct Plan {
     held: HashMap<PeerId, ConnectionId>,
     inbound: HashMap<PeerId, ConnectionId>,
     refused: HashMap<PeerId, Instant>,
-    random: RandomState,
+    random: Draws,
     draws: u64,
 }
 
 impl Plan {
-    pub(super) fn new(want: usize, max_inbound: usize) -> Self {
+    pub(super) fn new(want: usize, max_inbound: usize, random: Draws) -> Self {
         Plan {
             want,
             max_inbound,
@@ -52,7 +51,7 @@ impl Plan {
             held: HashMap::new(),
             inbound: HashMap::new(),
             refused: HashMap::new(),
-            random: RandomState::new(),
+            random,
             draws: 0,
         }
     }
@@ -141,9 +140,9 @@ pub(super) struct Behaviour {
 }
 
 impl Behaviour {
-    pub(super) fn new(want: usize, max_inbound: usize) -> Self {
+    pub(super) fn new(want: usize, max_inbound: usize, random: Draws) -> Self {
         Behaviour {
-            plan: Plan::new(want, max_inbound),
+            plan: Plan::new(want, max_inbound, random),
             actions: VecDeque::new(),
             changed: false,
             waker: None,
@@ -266,7 +265,7 @@ mod tests {
 
     #[test]
     fn holds_only_as_many_as_it_wants_of_its_connected_peers() {
-        let mut plan = Plan::new(4, 16);
+        let mut plan = Plan::new(4, 16, Draws::new(None));
         let now = Instant::now();
         assert_eq!(plan.next(now), None, "nobody connected, nobody to hold");
         let all = peers(10);
@@ -290,7 +289,7 @@ mod tests {
 
     #[test]
     fn a_peer_that_released_its_anchor_is_not_asked_again_for_a_while() {
-        let mut plan = Plan::new(1, 16);
+        let mut plan = Plan::new(1, 16, Draws::new(None));
         let now = Instant::now();
         let [a, b] = [PeerId::random(), PeerId::random()];
         plan.connected(a, ConnectionId::new_unchecked(1));
@@ -310,7 +309,7 @@ mod tests {
 
     #[test]
     fn prefers_peers_that_hold_nothing_here() {
-        let mut plan = Plan::new(1, 16);
+        let mut plan = Plan::new(1, 16, Draws::new(None));
         let now = Instant::now();
         let [a, b] = [PeerId::random(), PeerId::random()];
         plan.connected(a, ConnectionId::new_unchecked(1));
@@ -321,7 +320,7 @@ mod tests {
 
     #[test]
     fn takes_a_bounded_number_of_anchors_from_others() {
-        let mut plan = Plan::new(4, 3);
+        let mut plan = Plan::new(4, 3, Draws::new(None));
         let all = peers(5);
         let taken: Vec<bool> = all
             .iter()

@@ -2,9 +2,7 @@
 //! `announce_plan.rs`). Invariant: every provided key is announced each round unless resting.
 
 use crate::routing::clock::Instant;
-use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
-use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use libp2p::kad::store::RecordStore;
@@ -19,6 +17,7 @@ use super::announce_plan::{
     peer_hash, to_hash,
 };
 use super::behaviour::{Behaviour, ProvideTiming};
+use super::draws::Draws;
 use super::growth::{Growth, network_size};
 use super::rest::Resting;
 use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
@@ -53,15 +52,14 @@ pub(crate) struct Announcer {
     /// The next round, 75-100% of the interval away (drawn per round): nodes started together
     /// drift apart, and records are renewed before their TTL runs out.
     next_round: Instant,
-    random: RandomState,
+    random: Draws,
     draws: u64,
     walk_after: Option<Instant>,
     growth: Growth,
 }
 
 impl Announcer {
-    pub(super) fn new(timing: ProvideTiming, metrics: Arc<Metrics>) -> Self {
-        let random = RandomState::new();
+    pub(super) fn new(timing: ProvideTiming, metrics: Arc<Metrics>, random: Draws) -> Self {
         let next_round = Instant::now() + round_wait(&timing, &random, 0);
         Announcer {
             timing,
@@ -395,7 +393,7 @@ fn estimate_size(swarm: &mut Swarm<Behaviour>) -> f64 {
     network_size(&local, peers)
 }
 
-fn round_wait(timing: &ProvideTiming, random: &RandomState, draw: u64) -> std::time::Duration {
+fn round_wait(timing: &ProvideTiming, random: &Draws, draw: u64) -> std::time::Duration {
     let x = random.hash_one(draw) as f64 / u64::MAX as f64;
     timing.interval.mul_f64(0.75 + 0.25 * x)
 }

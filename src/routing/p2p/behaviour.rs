@@ -11,6 +11,7 @@ use libp2p::swarm::NetworkBehaviour;
 use libp2p::{StreamProtocol, identify, kad, request_response};
 
 use super::announce_plan::{ProvideAck, ProvideBatch};
+use super::draws::Draws;
 use super::store::ProviderStore;
 use super::{ConnectionCaps, anchors, per_ip};
 
@@ -60,6 +61,7 @@ impl Behaviour {
         peer_http_addr: SocketAddr,
         timing: ProvideTiming,
         caps: ConnectionCaps,
+        draws: Draws,
     ) -> Self {
         let peer_id = key.public().to_peer_id();
         let mut config = kad::Config::new(KAD_PROTOCOL);
@@ -108,7 +110,7 @@ impl Behaviour {
             kad,
             identify,
             provide,
-            anchors: anchors::Behaviour::new(anchors::ANCHORS, anchors::MAX_INBOUND),
+            anchors: anchors::Behaviour::new(anchors::ANCHORS, anchors::MAX_INBOUND, draws),
         }
     }
 }

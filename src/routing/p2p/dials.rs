@@ -2,11 +2,11 @@
 //! a few, drawn at random, and Kademlia finds the rest. Invariant: at most the limit in flight.
 
 use std::collections::HashSet;
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
 
 use libp2p::Multiaddr;
 use libp2p::swarm::ConnectionId;
+
+use super::draws::Draws;
 
 /// One reachable node is enough to join; three survive two being down or slow.
 pub const DEFAULT_BOOTSTRAP_DIALS: usize = 3;
@@ -17,17 +17,17 @@ pub(super) struct BootstrapDials {
     limit: usize,
     own: Option<Multiaddr>,
     in_flight: HashSet<ConnectionId>,
-    random: RandomState,
+    random: Draws,
     draws: u64,
 }
 
 impl BootstrapDials {
-    pub(super) fn new(limit: usize, own: Option<Multiaddr>) -> Self {
+    pub(super) fn new(limit: usize, own: Option<Multiaddr>, random: Draws) -> Self {
         BootstrapDials {
             limit: limit.max(1),
             own,
             in_flight: HashSet::new(),
-            random: RandomState::new(),
+            random,
             draws: 0,
         }
     }
@@ -68,7 +68,7 @@ mod tests {
     #[test]
     fn a_few_of_many_are_dialled_never_this_node_and_not_while_dials_hang() {
         let own = tcp_multiaddr([10, 0, 0, 1].into(), 5482);
-        let mut dials = BootstrapDials::new(3, Some(own.clone()));
+        let mut dials = BootstrapDials::new(3, Some(own.clone()), Draws::new(None));
         let mut seen = HashSet::new();
         for _ in 0..50 {
             let picked = dials.pick(addrs(100));
@@ -95,7 +95,7 @@ mod tests {
         assert!(dials.pick(addrs(100)).is_empty());
 
         // Fewer than the limit: all of them, once each.
-        let mut small = BootstrapDials::new(3, Some(own.clone()));
+        let mut small = BootstrapDials::new(3, Some(own.clone()), Draws::new(None));
         let mut two = addrs(3);
         two.push(addrs(3)[2].clone());
         let picked = small.pick(two);

@@ -11,6 +11,7 @@ mod closest;
 #[cfg(feature = "test-support")]
 mod delay;
 mod dials;
+mod draws;
 mod event_loop;
 mod growth;
 pub(crate) mod identity;
@@ -81,6 +82,9 @@ pub struct P2pConfig {
     /// [`IDLE_CONNECTION_TIMEOUT`] in Ferry; tests shorten it.
     pub idle_timeout: Duration,
     pub caps: ConnectionCaps,
+    /// The seed of this node's random draws; `None` (Ferry): the process's own. The
+    /// simulation sets it so that a seed replays a run.
+    pub draws_seed: Option<u64>,
 }
 
 /// How many connections libp2p may hold: an outsider's connections never take what members
@@ -195,8 +199,11 @@ impl P2pRouter {
         let timing = config.timing;
         let idle = config.idle_timeout;
         let caps = config.caps;
-        let behaviour =
-            move |key: &Keypair| behaviour::Behaviour::new(key, peer_http_addr, timing, caps);
+        let draws =
+            draws::Draws::new(config.draws_seed).derive(&key.public().to_peer_id().to_base58());
+        let behaviour = move |key: &Keypair| {
+            behaviour::Behaviour::new(key, peer_http_addr, timing, caps, draws.derive("anchors"))
+        };
         let transport_err = |e: Box<dyn std::error::Error + Send + Sync>| P2pError::Transport(e);
         let mut swarm = SwarmBuilder::with_existing_identity(key)
             .with_tokio()
@@ -234,10 +241,10 @@ impl P2pRouter {
             status.clone(),
             (
                 bootstrap,
-                dials::BootstrapDials::new(config.bootstrap_dials, own),
+                dials::BootstrapDials::new(config.bootstrap_dials, own, draws.derive("dials")),
             ),
             (metrics, problems),
-            (timing, local),
+            (timing, local, draws.derive("announcer")),
         );
         let task = tokio::spawn(event_loop.run(token));
         Ok((

@@ -21,6 +21,7 @@ use super::announcer::Announcer;
 use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, ProvideTiming, peer_addr_of};
 use super::closest::{Closest, Coordinator};
 use super::dials::BootstrapDials;
+use super::draws::Draws;
 use super::key_check;
 use super::peer_addrs::PeerAddrs;
 use super::per_ip;
@@ -89,7 +90,7 @@ impl EventLoop {
         status: Arc<Status>,
         (bootstrap, dials): (Arc<dyn Bootstrap>, BootstrapDials),
         (metrics, problems): (Arc<Metrics>, Arc<Problems>),
-        (timing, local): (ProvideTiming, Peer),
+        (timing, local, draws): (ProvideTiming, Peer, Draws),
     ) -> Self {
         EventLoop {
             closest: Closest::new(*swarm.local_peer_id()),
@@ -99,7 +100,7 @@ impl EventLoop {
             status,
             bootstrap,
             dials,
-            announcer: Announcer::new(timing, metrics.clone()),
+            announcer: Announcer::new(timing, metrics.clone(), draws),
             metrics,
             problems,
             local,
