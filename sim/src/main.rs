@@ -14,7 +14,9 @@
 //! The clock ticks in whole milliseconds (tokio's timer wheel): a byte written is delivered at
 //! the first tick `--latency-ms` after it, so links shorter than 1 ms are 1 ms links here.
 
+mod entropy;
 mod net;
+mod storm;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -29,7 +31,7 @@ use ferry::routing::p2p::{
     ProvideTiming, REPLICAS, TransportFactory,
 };
 use libp2p::identity::Keypair;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -47,6 +49,13 @@ struct Options {
     shared: f64,
     /// Re-announcement interval.
     interval: Duration,
+    /// Scenario (c): digests every node misses at once, the blob's size, the node links and
+    /// the registry's, and `--relay-fanout`.
+    storm_digests: usize,
+    storm_mib: f64,
+    node_gbit: f64,
+    upstream_gbit: f64,
+    relay_fanout: usize,
 }
 
 fn options() -> Options {
@@ -71,14 +80,25 @@ fn options() -> Options {
         lookups: value("--lookups", "200").parse().expect("--lookups"),
         shared: value("--shared", "0.8").parse().expect("--shared"),
         interval: Duration::from_secs(value("--interval-s", "600").parse().expect("--interval-s")),
+        storm_digests: value("--storm-digests", "10")
+            .parse()
+            .expect("--storm-digests"),
+        storm_mib: value("--storm-mib", "1024").parse().expect("--storm-mib"),
+        node_gbit: value("--node-gbit", "10").parse().expect("--node-gbit"),
+        upstream_gbit: value("--upstream-gbit", "1")
+            .parse()
+            .expect("--upstream-gbit"),
+        relay_fanout: value("--relay-fanout", "2")
+            .parse()
+            .expect("--relay-fanout"),
     }
 }
 
 /// SplitMix64: the run's one source of chance, so a seed gives one run.
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -86,7 +106,7 @@ impl Rng {
         z ^ (z >> 31)
     }
 
-    fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n.max(1) as u64) as usize
     }
 }
@@ -165,6 +185,7 @@ impl Sim {
             bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
             idle_timeout: IDLE_CONNECTION_TIMEOUT,
             caps: ConnectionCaps::default(),
+            draws_seed: Some(self.seed),
         };
         let addrs = seeds
             .iter()
@@ -320,9 +341,24 @@ async fn run(o: Options) -> serde_json::Value {
     } else {
         Duration::MAX
     };
+    // Scenario (c): the rollout storm, on the nodes that started together.
+    let routers: Vec<Arc<dyn ContentRouting>> = nodes[..o.nodes]
+        .iter()
+        .map(|n| Arc::new(n.router.clone()) as Arc<dyn ContentRouting>)
+        .collect();
+    let ids: Vec<String> = routers.iter().map(|r| r.local().id).collect();
+    let claims = storm::Claims::new(o.latency * 2);
+    let coalescers = storm::coalescers(&routers, &claims, o.relay_fanout);
+    let flow = storm::Flow {
+        blob_bytes: o.storm_mib * 1_048_576.0,
+        node_rate: o.node_gbit * 1e9 / 8.0,
+        upstream_rate: o.upstream_gbit * 1e9 / 8.0,
+        hop_lag_bytes: 1_048_576.0,
+    };
+    let storm = storm::run(&coalescers, &ids, &claims, o.storm_digests, flow, &mut rng).await;
     let mem = rss_mib() / (o.nodes + 1) as f64;
     sim.token.cancel();
-    json!({
+    let mut report = json!({
         "nodes": o.nodes,
         "digests_per_node": o.digests,
         "seed": o.seed,
@@ -340,16 +376,28 @@ async fn run(o: Options) -> serde_json::Value {
         "mem_mib_per_node": mem,
         "findable_after_start_s": if findable == Duration::MAX { -1.0 } else { findable.as_secs_f64() },
         "wall_s": wall.elapsed().as_secs_f64(),
-    })
+    });
+    if let (Some(report), Value::Object(storm)) = (report.as_object_mut(), storm) {
+        report.extend(storm);
+    }
+    report
 }
 
 fn main() {
     let o = options();
+    let seed = o.seed;
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        eprintln!("the simulation failed: replay it with --seed {seed} (and the same options)");
+    }));
+    entropy::seed(o.seed);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
+        .rng_seed(tokio::runtime::RngSeed::from_bytes(&o.seed.to_le_bytes()))
         .build()
         .expect("runtime");
     let report = runtime.block_on(run(o));
-    println!("{report:#}");
+    println!("{report}");
 }

@@ -23,7 +23,8 @@ use crate::routing::{ContentRouting, Peer, rendezvous};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing, Scope};
 use axum::response::Response;
-use leases::{Grant, LEASE, Leases};
+pub use leases::Grant;
+use leases::{LEASE, Leases};
 use relay::Received;
 use transfers::{Transfer, Transfers};
 
