@@ -33,7 +33,8 @@ if [ "${1:-}" = "--sim" ]; then
     runs=$(mktemp)
     for n in ${nodes//,/ }; do
         echo "==> simulated: $n nodes ${args[*]}" >&2
-        "$bin" --nodes "$n" "${args[@]}" | tee -a "$runs"
+        # Without address randomization: nothing seeded from an address differs between runs.
+        setarch "$(uname -m)" -R "$bin" --nodes "$n" "${args[@]}" | tee -a "$runs"
     done
     python3 scripts/scale_sim_report.py "$runs" "$out"
     rm -f "$runs"

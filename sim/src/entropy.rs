@@ -1,5 +1,7 @@
-//! getrandom's custom backend for the simulation: every random byte the stack asks for comes
-//! from one stream seeded by `--seed`, so a seed replays a run. Never in Ferry's own build.
+//! Every random byte the simulation's stack asks for comes from one stream seeded by
+//! `--seed`, so a seed replays a run: getrandom's custom backend (libp2p, rand, ahash), and
+//! libc's `getrandom`, which std looks up by name for `HashMap` keys (exported by
+//! `sim/.cargo/config.toml`). Never in Ferry's own build.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -37,4 +39,16 @@ unsafe extern "Rust" fn __getrandom_v03_custom(
         chunk.copy_from_slice(&bytes[..chunk.len()]);
     }
     Ok(())
+}
+
+/// libc's `getrandom(2)`, as std finds it (a weak symbol it looks up, for interposition):
+/// `RandomState`'s keys, and so every std `HashMap`'s iteration order, come from the seed.
+///
+/// # Safety
+/// The caller passes a writable buffer of `len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getrandom(buf: *mut u8, len: usize, _flags: u32) -> isize {
+    // SAFETY: as for the custom backend above.
+    let _ = unsafe { __getrandom_v03_custom(buf, len) };
+    isize::try_from(len).unwrap_or(isize::MAX)
 }
