@@ -7,22 +7,23 @@
 //! with the key it asks by (this node's own keys are kept whole, for `provided`).
 
 use crate::routing::clock::Instant;
-use sha2::Digest as _;
 use std::borrow::Cow;
-use std::collections::{HashMap, hash_map};
+use std::collections::hash_map::{self, HashMap, RandomState};
+use std::hash::BuildHasher;
 use std::time::Duration;
 
 use libp2p::kad::store::{Error, RecordStore, Result};
 use libp2p::kad::{K_VALUE, ProviderRecord, Record, RecordKey};
 use libp2p::{Multiaddr, PeerId};
 
-/// A key, by the first 16 bytes of its SHA-256: a collision among 2^64 keys is unlikely.
+/// A key, by two SipHashes under this store's own random keys: 128 bits, so a collision among
+/// 2^64 keys is unlikely and no member can aim for one.
 type KeyHash = [u8; 16];
 
-fn key_hash(key: &[u8]) -> KeyHash {
-    let digest = sha2::Sha256::digest(key);
+fn key_hash(keys: &RandomState, key: &[u8]) -> KeyHash {
     let mut hash = [0u8; 16];
-    hash.copy_from_slice(&digest[..16]);
+    hash[..8].copy_from_slice(&keys.hash_one((0u8, key)).to_le_bytes());
+    hash[8..].copy_from_slice(&keys.hash_one((1u8, key)).to_le_bytes());
     hash
 }
 
@@ -114,6 +115,7 @@ pub(super) struct ProviderStore {
     numbers: HashMap<PeerId, u32>,
     free: Vec<u32>,
     epoch: Instant,
+    keys: RandomState,
 }
 
 impl ProviderStore {
@@ -128,6 +130,7 @@ impl ProviderStore {
             numbers: HashMap::new(),
             free: Vec::new(),
             epoch: Instant::now(),
+            keys: RandomState::new(),
         }
     }
 
@@ -274,7 +277,7 @@ impl RecordStore for ProviderStore {
 
     fn add_provider(&mut self, record: ProviderRecord) -> Result<()> {
         let whole: &[u8] = record.key.as_ref();
-        let key = key_hash(whole);
+        let key = key_hash(&self.keys, whole);
         if !self.providers.contains_key(&key) && self.providers.len() >= self.max_keys {
             // Full: make room from expired records before refusing a key.
             self.expire(Instant::now());
@@ -326,7 +329,7 @@ impl RecordStore for ProviderStore {
     fn providers(&self, key: &RecordKey) -> Vec<ProviderRecord> {
         let whole: &[u8] = key.as_ref();
         self.providers
-            .get(&key_hash(whole))
+            .get(&key_hash(&self.keys, whole))
             .map(|slots| {
                 (slots.as_slice().iter())
                     .filter_map(|s| self.record(whole, s))
@@ -356,7 +359,7 @@ impl RecordStore for ProviderStore {
         let Some(n) = self.number_of(provider) else {
             return;
         };
-        let key = key_hash(key.as_ref());
+        let key = key_hash(&self.keys, key.as_ref());
         if *provider == self.local {
             self.local_keys.remove(&key);
         }
@@ -379,7 +382,7 @@ impl ProviderStore {
     /// Whether a record of `provider` for `key` would be dropped: the key has all its
     /// providers, all with time left, and `provider` is not one (`rest.rs`).
     pub(super) fn crowded(&self, key: &[u8], provider: &PeerId, now: Instant) -> bool {
-        let Some(slots) = self.providers.get(&key_hash(key)) else {
+        let Some(slots) = self.providers.get(&key_hash(&self.keys, key)) else {
             return false;
         };
         let n = self.number_of(provider);
