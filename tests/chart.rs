@@ -380,6 +380,54 @@ fn everything_the_chart_runs_is_ferrys_image_and_the_hook_touches_only_its_daemo
     );
 }
 
+/// Review L6: every pod runs under the runtime's default seccomp profile, the cleanup
+/// DaemonSet gets no service account token and the chart's pull settings, and Ferry may create
+/// events only in the namespace node events go to.
+#[test]
+fn every_pod_is_confined_and_events_are_granted_in_one_namespace() {
+    let objects = render(&["imagePullSecrets[0].name=pull"]);
+    let pods: Vec<&serde_json::Value> = objects
+        .iter()
+        .filter(|o| o["spec"]["template"]["spec"].is_object())
+        .collect();
+    assert!(pods.len() >= 3, "the DaemonSets and the Job");
+    for o in &pods {
+        let spec = &o["spec"]["template"]["spec"];
+        let name = &o["metadata"]["name"];
+        assert_eq!(
+            spec["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+            "{name}"
+        );
+        assert_eq!(spec["imagePullSecrets"][0]["name"], "pull", "{name}");
+        for list in ["initContainers", "containers"] {
+            for c in spec[list].as_array().into_iter().flatten() {
+                assert!(c["imagePullPolicy"].is_string(), "{name}: {}", c["name"]);
+            }
+        }
+    }
+    let cleanup = objects
+        .iter()
+        .find(|o| o["kind"] == "DaemonSet" && o["metadata"]["name"] == "ferry-cleanup")
+        .unwrap();
+    assert_eq!(
+        cleanup["spec"]["template"]["spec"]["automountServiceAccountToken"],
+        false
+    );
+    let cluster_wide_events = objects
+        .iter()
+        .any(|o| o["kind"] == "ClusterRole" && o["rules"].to_string().contains("\"events\""));
+    assert!(!cluster_wide_events, "events are not granted cluster-wide");
+    let events = objects
+        .iter()
+        .find(|o| o["kind"] == "Role" && o["metadata"]["name"] == "ferry-events")
+        .unwrap();
+    assert_eq!(events["metadata"]["namespace"], "default");
+    assert_eq!(
+        events["rules"],
+        serde_json::json!([{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}])
+    );
+}
+
 /// The node patch policy (Kubernetes 1.30+): Ferry's service account may change the ready
 /// taint of the node its token names, and nothing else. No API server runs here: the policy's
 /// CEL is evaluated with cel-python (tests/support/vap_check.py) on the admission requests
