@@ -259,6 +259,16 @@ fn symbolic_links_and_planted_temp_files_are_left_alone() {
     fs::write(&canary, "keep me").unwrap();
     symlink(&canary, hosts.join("ghcr.io/hosts.toml.ferry-tmp")).unwrap();
 
+    // The links, what they point at and the canary are as they were.
+    let untouched = || {
+        let link = fs::symlink_metadata(hosts.join("docker.io/hosts.toml")).unwrap();
+        assert!(link.file_type().is_symlink());
+        for file in ["hosts.toml", "quay.io/hosts.toml"] {
+            assert_eq!(fs::read_to_string(managed.join(file)).unwrap(), original);
+        }
+        assert_eq!(fs::read_to_string(&canary).unwrap(), "keep me");
+    };
+
     let outcomes = configure(&hosts, &Registries::All, MIRROR, Ipv6Hosts::Dotted).unwrap();
     let action = |dir: &str| {
         outcomes
@@ -276,21 +286,7 @@ fn symbolic_links_and_planted_temp_files_are_left_alone() {
         "{outcomes:?}"
     );
     assert_eq!(action("ghcr.io"), Action::Created);
-    assert!(
-        fs::symlink_metadata(hosts.join("docker.io/hosts.toml"))
-            .unwrap()
-            .file_type()
-            .is_symlink()
-    );
-    assert_eq!(
-        fs::read_to_string(managed.join("hosts.toml")).unwrap(),
-        original
-    );
-    assert_eq!(
-        fs::read_to_string(managed.join("quay.io/hosts.toml")).unwrap(),
-        original
-    );
-    assert_eq!(fs::read_to_string(&canary).unwrap(), "keep me");
+    untouched();
     assert!(
         fs::read_to_string(hosts.join("ghcr.io/hosts.toml"))
             .unwrap()
@@ -298,20 +294,6 @@ fn symbolic_links_and_planted_temp_files_are_left_alone() {
     );
 
     cleanup(&hosts).unwrap();
-    assert!(
-        fs::symlink_metadata(hosts.join("docker.io/hosts.toml"))
-            .unwrap()
-            .file_type()
-            .is_symlink()
-    );
-    assert_eq!(
-        fs::read_to_string(managed.join("hosts.toml")).unwrap(),
-        original
-    );
-    assert_eq!(
-        fs::read_to_string(managed.join("quay.io/hosts.toml")).unwrap(),
-        original
-    );
-    assert_eq!(fs::read_to_string(&canary).unwrap(), "keep me");
+    untouched();
     assert!(!hosts.join("ghcr.io/hosts.toml").exists());
 }
