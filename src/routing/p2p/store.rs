@@ -1,7 +1,7 @@
 //! Kademlia's record store, sized for Ferry: provider records only, each key stored as a
 //! 16-byte hash and each provider once, a key with one record 40 bytes in the table and
-//! nothing on the heap (libp2p's own reserves about 4 KiB per key; the simulation at 1,000
-//! nodes holds some 40,000 keys a node).
+//! nothing on the heap (libp2p's own reserves about 4 KiB per key; with 10,000 digests on
+//! each node a node holds some 40,000 keys, `docs/design/scale-sim.md`).
 //!
 //! Invariant: value records are refused; provider records are rebuilt when Kademlia asks,
 //! with the key it asks by (this node's own keys are kept whole, for `provided`).
