@@ -18,9 +18,13 @@ ensure_packages() {
     if [ ${#missing[@]} -eq 0 ]; then
         return 0
     fi
-    # Unique package names, in order.
+    install_packages "${missing[@]}"
+}
+
+# Installs the given Debian packages (each once, in order).
+install_packages() {
     local pkgs
-    pkgs=$(printf '%s\n' "${missing[@]}" | awk '!seen[$0]++' | tr '\n' ' ')
+    pkgs=$(printf '%s\n' "$@" | awk '!seen[$0]++' | tr '\n' ' ')
     echo "==> installing: $pkgs"
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"

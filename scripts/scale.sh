@@ -15,6 +15,8 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--sim" ]; then
     shift
     ensure_rust
+    # Ferry's crate compiles containerd's API from its protos.
+    command -v protoc >/dev/null 2>&1 || install_packages protobuf-compiler
     nodes=30
     out=benches/results
     args=()
