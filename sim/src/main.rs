@@ -300,11 +300,24 @@ async fn run(o: Options) -> serde_json::Value {
     tokio::time::sleep(Duration::from_secs(60)).await;
     let joined_s = begun.elapsed().as_secs_f64();
     let first_round = dht_requests(&nodes) as f64 / o.nodes as f64;
+    let per_node = |ends: usize| ends as f64 / o.nodes as f64;
+    eprintln!(
+        "joined after {:.0} s wall: {:.1} MiB/node live, {:.1} connections/node",
+        wall.elapsed().as_secs_f64(),
+        live_mib() / o.nodes as f64,
+        per_node(net::ends().0)
+    );
 
     // Steady state: requests over a window.
     let before = dht_requests(&nodes);
     let window = interval * 2;
     tokio::time::sleep(window).await;
+    eprintln!(
+        "steady after {:.0} s wall: {:.1} MiB/node live, {:.1} connections/node",
+        wall.elapsed().as_secs_f64(),
+        live_mib() / o.nodes as f64,
+        per_node(net::ends().0)
+    );
     let msgs = (dht_requests(&nodes) - before) as f64 / o.nodes as f64 / window.as_secs_f64();
 
     let mut found_ms = Vec::new();
@@ -372,6 +385,7 @@ async fn run(o: Options) -> serde_json::Value {
     let storm = storm::run(&coalescers, &ids, &claims, o.storm_digests, flow, &mut rng).await;
     let mem = live_mib() / (o.nodes + 1) as f64;
     let peak = status_mib("VmHWM:");
+    let (ends, ends_peak) = net::ends();
     sim.token.cancel();
     let mut report = json!({
         "nodes": o.nodes,
@@ -390,6 +404,8 @@ async fn run(o: Options) -> serde_json::Value {
         "interval_s": o.interval.as_secs(),
         "mem_mib_per_node": mem,
         "mem_peak_mib_total": peak,
+        "connections_per_node": ends as f64 / (o.nodes + 1) as f64,
+        "connections_per_node_peak": ends_peak as f64 / (o.nodes + 1) as f64,
         "findable_after_start_s": if findable == Duration::MAX { -1.0 } else { findable.as_secs_f64() },
         "wall_s": wall.elapsed().as_secs_f64(),
     });

@@ -8,6 +8,7 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -43,8 +44,22 @@ fn lock(pipe: &Mutex<Pipe>) -> std::sync::MutexGuard<'_, Pipe> {
     pipe.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Connection ends alive now and at most so far: each end is one node's connection.
+static ENDS: AtomicUsize = AtomicUsize::new(0);
+static ENDS_PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// Connection ends alive now, and the most alive at once so far.
+pub fn ends() -> (usize, usize) {
+    (
+        ENDS.load(Ordering::Relaxed),
+        ENDS_PEAK.load(Ordering::Relaxed),
+    )
+}
+
 /// Both ends of a new connection.
 fn connection(latency: Duration) -> (SimStream, SimStream) {
+    let now = ENDS.fetch_add(2, Ordering::Relaxed) + 2;
+    ENDS_PEAK.fetch_max(now, Ordering::Relaxed);
     let (a, b) = (Arc::default(), Arc::default());
     let end = |incoming: &Arc<Mutex<Pipe>>, outgoing: &Arc<Mutex<Pipe>>| SimStream {
         incoming: incoming.clone(),
@@ -128,6 +143,7 @@ impl AsyncWrite for SimStream {
 
 impl Drop for SimStream {
     fn drop(&mut self) {
+        ENDS.fetch_sub(1, Ordering::Relaxed);
         for pipe in [&self.outgoing, &self.incoming] {
             let mut pipe = lock(pipe);
             pipe.closed = true;

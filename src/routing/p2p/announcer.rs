@@ -353,20 +353,9 @@ impl Announcer {
         }
         let addrs: Vec<Multiaddr> = batch.addrs.iter().filter_map(|a| a.parse().ok()).collect();
         let now = Instant::now();
-        let expires = now + self.timing.ttl;
         let store = swarm.behaviour_mut().kad.store_mut();
-        for (i, key) in batch.keys.into_iter().enumerate() {
-            let key = RecordKey::new(&key);
-            if store.crowded(key.as_ref(), &peer, now) {
-                ack.full.push(i as u32);
-                continue;
-            }
-            let mut record = ProviderRecord::new(key, peer, addrs.clone());
-            record.expires = Some(expires);
-            if store.add_provider(record).is_ok() {
-                ack.stored += 1;
-            }
-        }
+        let keys = batch.keys.iter().map(|k| k.as_bytes());
+        (ack.stored, ack.full) = store.add_batch(peer, &addrs, keys, now + self.timing.ttl, now);
         ack
     }
 
