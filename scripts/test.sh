@@ -40,7 +40,7 @@ done
 python3 - "$sim_runs" <<'PY'
 import json, sys
 a, b = (json.load(open(f"{sys.argv[1]}/{r}/scale-sim.json"))[0] for r in "ab")
-machine = {"wall_s", "mem_mib_per_node"}
+machine = {"wall_s", "mem_mib_per_node", "mem_mib_per_node_steady", "mem_peak_mib_total"}
 differ = {k: (a[k], b.get(k)) for k in a if k not in machine and a[k] != b.get(k)}
 assert not differ, f"the same seed gave other figures: {differ}"
 assert a["lookups_missed"] == 0 and a["findable_after_start_s"] >= 0, a

@@ -312,11 +312,12 @@ async fn run(o: Options) -> serde_json::Value {
     let before = dht_requests(&nodes);
     let window = interval * 2;
     tokio::time::sleep(window).await;
+    // What a node holds between rollouts, before the lookups and the storm open connections.
+    let steady_mem = live_mib() / o.nodes as f64;
+    let steady_connections = per_node(net::ends().0);
     eprintln!(
-        "steady after {:.0} s wall: {:.1} MiB/node live, {:.1} connections/node",
+        "steady after {:.0} s wall: {steady_mem:.1} MiB/node live, {steady_connections:.1} connections/node",
         wall.elapsed().as_secs_f64(),
-        live_mib() / o.nodes as f64,
-        per_node(net::ends().0)
     );
     let msgs = (dht_requests(&nodes) - before) as f64 / o.nodes as f64 / window.as_secs_f64();
 
@@ -404,6 +405,8 @@ async fn run(o: Options) -> serde_json::Value {
         "interval_s": o.interval.as_secs(),
         "mem_mib_per_node": mem,
         "mem_peak_mib_total": peak,
+        "mem_mib_per_node_steady": steady_mem,
+        "connections_per_node_steady": steady_connections,
         "connections_per_node": ends as f64 / (o.nodes + 1) as f64,
         "connections_per_node_peak": ends_peak as f64 / (o.nodes + 1) as f64,
         "findable_after_start_s": if findable == Duration::MAX { -1.0 } else { findable.as_secs_f64() },
