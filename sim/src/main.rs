@@ -15,6 +15,7 @@
 //! the first tick `--latency-ms` after it, so links shorter than 1 ms are 1 ms links here.
 
 mod entropy;
+mod heap;
 mod net;
 mod storm;
 
@@ -34,6 +35,9 @@ use libp2p::identity::Keypair;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+#[global_allocator]
+static HEAP: heap::Counting = heap::Counting;
 
 const P2P_PORT: u16 = 5482;
 const HTTP_PORT: u16 = 5481;
@@ -204,21 +208,26 @@ impl Sim {
     }
 }
 
-fn dht_requests(nodes: &[Node]) -> u64 {
-    nodes
+/// DHT requests the nodes received, by kind.
+fn requests_by_kind(nodes: &[Node]) -> Vec<u64> {
+    DHT_REQUEST_KINDS
         .iter()
-        .map(|n| {
-            DHT_REQUEST_KINDS
+        .map(|&kind| {
+            nodes
                 .iter()
-                .map(|&kind| {
+                .map(|n| {
                     n.metrics
                         .dht_requests
                         .get_or_create(&DhtLabels { kind })
                         .get()
                 })
-                .sum::<u64>()
+                .sum()
         })
-        .sum()
+        .collect()
+}
+
+fn dht_requests(nodes: &[Node]) -> u64 {
+    requests_by_kind(nodes).iter().sum()
 }
 
 /// Time to the first provider of `key` from `node`, or `None` when the walk ends with nobody.
@@ -310,16 +319,30 @@ async fn run(o: Options) -> serde_json::Value {
 
     // Steady state: requests over a window.
     let before = dht_requests(&nodes);
+    let before_kinds = requests_by_kind(&nodes);
     let window = interval * 2;
     tokio::time::sleep(window).await;
     // What a node holds between rollouts, before the lookups and the storm open connections.
     let steady_mem = live_mib() / o.nodes as f64;
     let steady_connections = per_node(net::ends().0);
+    let steady_heap = heap::live_mib() / o.nodes as f64;
     eprintln!(
-        "steady after {:.0} s wall: {steady_mem:.1} MiB/node live, {steady_connections:.1} connections/node",
+        "steady after {:.0} s wall: {steady_mem:.1} MiB/node live ({steady_heap:.1} heap), {steady_connections:.1} connections/node",
         wall.elapsed().as_secs_f64(),
     );
     let msgs = (dht_requests(&nodes) - before) as f64 / o.nodes as f64 / window.as_secs_f64();
+    let msgs_by_kind: serde_json::Map<String, Value> = DHT_REQUEST_KINDS
+        .iter()
+        .zip(requests_by_kind(&nodes).iter().zip(&before_kinds))
+        .map(|(kind, (after, before))| {
+            let rate = (after - before) as f64 / o.nodes as f64 / window.as_secs_f64();
+            (kind.to_string(), json!(rate))
+        })
+        .collect();
+    eprintln!(
+        "steady requests per node per s: {msgs:.2} {}",
+        Value::Object(msgs_by_kind.clone())
+    );
 
     let mut found_ms = Vec::new();
     let mut missed = 0;
@@ -385,6 +408,7 @@ async fn run(o: Options) -> serde_json::Value {
     };
     let storm = storm::run(&coalescers, &ids, &claims, o.storm_digests, flow, &mut rng).await;
     let mem = live_mib() / (o.nodes + 1) as f64;
+    let heap_mib = heap::live_mib() / (o.nodes + 1) as f64;
     let peak = status_mib("VmHWM:");
     let (ends, ends_peak) = net::ends();
     sim.token.cancel();
@@ -400,12 +424,15 @@ async fn run(o: Options) -> serde_json::Value {
         "lookups_missed": missed,
         "notfound_ms_p50": percentile(&mut absent_ms, 0.5),
         "announce_msgs_per_node_per_s": msgs,
+        "announce_msgs_per_node_per_s_by_kind": msgs_by_kind,
         "first_round_msgs_per_node": first_round,
         "shared_fraction": o.shared,
         "interval_s": o.interval.as_secs(),
         "mem_mib_per_node": mem,
         "mem_peak_mib_total": peak,
         "mem_mib_per_node_steady": steady_mem,
+        "heap_mib_per_node": heap_mib,
+        "heap_mib_per_node_steady": steady_heap,
         "connections_per_node_steady": steady_connections,
         "connections_per_node": ends as f64 / (o.nodes + 1) as f64,
         "connections_per_node_peak": ends_peak as f64 / (o.nodes + 1) as f64,
