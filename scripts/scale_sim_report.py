@@ -11,10 +11,13 @@ try:
     old = json.load(open(path))
 except (OSError, ValueError):
     old = []
-key = lambda r: (r.get("nodes"), r.get("digests_per_node"), r.get("seed"), r.get("latency_ms"))
+key = lambda r: (r.get("scenario", "start"), r.get("nodes"), r.get("digests_per_node"), r.get("seed"),
+                 r.get("latency_ms"))
 fresh = {key(r) for r in new}
-runs = sorted([r for r in old if key(r) not in fresh] + new, key=lambda r: (r["nodes"], r["digests_per_node"]))
-json.dump(runs, open(path, "w"), indent=1)
+everything = sorted([r for r in old if key(r) not in fresh] + new,
+                    key=lambda r: (r.get("scenario", "start"), r["nodes"], r["digests_per_node"]))
+json.dump(everything, open(path, "w"), indent=1)
+runs = [r for r in everything if r.get("scenario", "start") == "start"]
 
 cols = [("nodes", "nodes"), ("digests_per_node", "digests"), ("lookup_ms_p50", "lookup p50 ms"),
         ("lookup_ms_p99", "p99 ms"), ("notfound_ms_p50", "not found p50 ms"),
@@ -27,6 +30,19 @@ print("| " + " | ".join(c[1] for c in cols) + " |")
 print("|" + "---|" * len(cols))
 for r in runs:
     print("| " + " | ".join(fmt(r.get(c[0], "")) for c in cols) + " |")
+
+# Scenario (d), a partition: during it and after it heals.
+split = [r for r in everything if r.get("scenario") == "partition"]
+pcols = [("nodes", "nodes"), ("digests_per_node", "digests"), ("partition_s", "split s"),
+         ("partition_same_side_found", "found, same side"), ("partition_across_found", "found, across"),
+         ("partition_storm_leaders_per_digest_mean", "leaders mean"), ("partition_storm_leaders_per_digest_max", "max"),
+         ("partition_storm_alone_decisions", "alone"), ("partition_storm_decided_s_max", "decided s max"),
+         ("healed_across_found", "healed: found across"), ("healed_storm_leaders_per_digest_max", "leaders max")]
+if split:
+    print("| " + " | ".join(c[1] for c in pcols) + " |")
+    print("|" + "---|" * len(pcols))
+    for r in split:
+        print("| " + " | ".join(fmt(r.get(c[0], "")) for c in pcols) + " |")
 
 # A small SVG without dependencies: lookup p50/p99 and not-found p50 against the node count.
 series = [("lookup_ms_p50", "#1f77b4"), ("lookup_ms_p99", "#ff7f0e"), ("notfound_ms_p50", "#2ca02c")]

@@ -47,6 +47,17 @@ assert a["lookups_missed"] == 0 and a["findable_after_start_s"] >= 0, a
 assert a["storm_leaders_per_digest_max"] >= 1 and a["storm_alone_decisions"] == 0, a
 print(f"the same figures twice: {len(a)} fields")
 PY
+# Scenario (d): a 60 s partition. Once it heals, one leader per digest and every lookup across
+# finds; during it, no decision waits longer than a few seconds.
+./scripts/scale.sh --sim --nodes 30 --digests 1000 --seed 7 --scenario partition --out "$sim_runs/p" >/dev/null
+python3 - "$sim_runs" <<'PY'
+import json, sys
+p = json.load(open(f"{sys.argv[1]}/p/scale-sim.json"))[0]
+assert p["healed_across_found"] == 1.0 and p["healed_storm_leaders_per_digest_max"] == 1, p
+assert p["healed_storm_alone_decisions"] == 0 and p["partition_same_side_found"] > 0, p
+assert p["partition_storm_decided_s_max"] < 5 and p["partition_storm_ended_before_heal"], p
+print("a partition heals: one leader per digest, every lookup across finds")
+PY
 rm -rf "$sim_runs"
 # The cluster tests again against containerd 1.7 and 2.x (Debian's trixie and sid packages,
 # fetched and verified into target/tools by scripts/containerd-versions.sh; the machine's own

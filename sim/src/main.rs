@@ -17,6 +17,7 @@
 mod entropy;
 mod heap;
 mod net;
+mod partition;
 mod storm;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -60,6 +61,9 @@ struct Options {
     node_gbit: f64,
     upstream_gbit: f64,
     relay_fanout: usize,
+    /// `start` (scenarios a and c) or `partition` (d).
+    scenario: String,
+    partition: Duration,
 }
 
 fn options() -> Options {
@@ -95,6 +99,10 @@ fn options() -> Options {
         relay_fanout: value("--relay-fanout", "2")
             .parse()
             .expect("--relay-fanout"),
+        scenario: value("--scenario", "start"),
+        partition: Duration::from_secs(
+            value("--partition-s", "60").parse().expect("--partition-s"),
+        ),
     }
 }
 
@@ -317,6 +325,27 @@ async fn run(o: Options) -> serde_json::Value {
         per_node(net::ends().0)
     );
 
+    if o.scenario == "partition" {
+        let fields = partition::run(&nodes, &o, &sim.net, &mut rng).await;
+        sim.token.cancel();
+        let mut report = json!({
+            "scenario": "partition",
+            "nodes": o.nodes,
+            "digests_per_node": o.digests,
+            "seed": o.seed,
+            "clock": "simulated",
+            "latency_ms": o.latency.as_secs_f64() * 1000.0,
+            "joined_s": joined_s,
+            "first_round_msgs_per_node": first_round,
+            "wall_s": wall.elapsed().as_secs_f64(),
+        });
+        if let (Some(report), Value::Object(fields)) = (report.as_object_mut(), fields) {
+            report.extend(fields);
+        }
+        return report;
+    }
+    assert_eq!(o.scenario, "start", "--scenario: start or partition");
+
     // Steady state: requests over a window.
     let before = dht_requests(&nodes);
     let before_kinds = requests_by_kind(&nodes);
@@ -398,7 +427,7 @@ async fn run(o: Options) -> serde_json::Value {
         .map(|n| Arc::new(n.router.clone()) as Arc<dyn ContentRouting>)
         .collect();
     let ids: Vec<String> = routers.iter().map(|r| r.local().id).collect();
-    let claims = storm::Claims::new(o.latency * 2);
+    let claims = storm::Claims::new(sim.net.clone());
     let coalescers = storm::coalescers(&routers, &claims, o.relay_fanout);
     let flow = storm::Flow {
         blob_bytes: o.storm_mib * 1_048_576.0,
@@ -413,6 +442,7 @@ async fn run(o: Options) -> serde_json::Value {
     let (ends, ends_peak) = net::ends();
     sim.token.cancel();
     let mut report = json!({
+        "scenario": "start",
         "nodes": o.nodes,
         "digests_per_node": o.digests,
         "seed": o.seed,

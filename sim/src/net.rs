@@ -3,7 +3,7 @@
 //! tokio clock. Addresses keep libp2p's TCP shape (`/ip4/A/tcp/P`) so that Ferry's listen,
 //! advertise, bootstrap and per-address limits run unchanged.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -38,6 +38,10 @@ pub struct SimStream {
     outgoing: Arc<Mutex<Pipe>>,
     latency: Duration,
     wait: Option<Pin<Box<Sleep>>>,
+    net: SimNet,
+    /// This end's address and the other's, for a partition between them.
+    local: IpAddr,
+    remote: IpAddr,
 }
 
 fn lock(pipe: &Mutex<Pipe>) -> std::sync::MutexGuard<'_, Pipe> {
@@ -56,18 +60,24 @@ pub fn ends() -> (usize, usize) {
     )
 }
 
-/// Both ends of a new connection.
-fn connection(latency: Duration) -> (SimStream, SimStream) {
+/// Both ends of a new connection between `dialler` and `listener`.
+fn connection(net: &SimNet, dialler: IpAddr, listener: IpAddr) -> (SimStream, SimStream) {
     let now = ENDS.fetch_add(2, Ordering::Relaxed) + 2;
     ENDS_PEAK.fetch_max(now, Ordering::Relaxed);
     let (a, b) = (Arc::default(), Arc::default());
-    let end = |incoming: &Arc<Mutex<Pipe>>, outgoing: &Arc<Mutex<Pipe>>| SimStream {
+    let end = |incoming: &Arc<Mutex<Pipe>>, outgoing: &Arc<Mutex<Pipe>>, local, remote| SimStream {
         incoming: incoming.clone(),
         outgoing: outgoing.clone(),
-        latency,
+        latency: net.latency,
         wait: None,
+        net: net.clone(),
+        local,
+        remote,
     };
-    (end(&a, &b), end(&b, &a))
+    (
+        end(&a, &b, dialler, listener),
+        end(&b, &a, listener, dialler),
+    )
 }
 
 impl AsyncRead for SimStream {
@@ -115,12 +125,16 @@ impl AsyncWrite for SimStream {
         _cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        // Across a partition TCP keeps resending: the bytes arrive once it heals.
+        let mut at = Instant::now() + self.latency;
+        if let Some(heals) = self.net.held_until(self.local, self.remote) {
+            at = at.max(heals + self.latency);
+        }
         let mut pipe = lock(&self.outgoing);
         if pipe.closed {
             return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
         }
-        pipe.queue
-            .push_back((Instant::now() + self.latency, buf.to_vec()));
+        pipe.queue.push_back((at, buf.to_vec()));
         if let Some(w) = pipe.reader.take() {
             w.wake();
         }
@@ -167,6 +181,13 @@ pub struct SimNet {
 struct Inner {
     listeners: HashMap<SocketAddr, mpsc::UnboundedSender<Accepted>>,
     next_port: u16,
+    split: Option<Split>,
+}
+
+/// A partition: the addresses on one side, and when it heals.
+struct Split {
+    side: HashSet<IpAddr>,
+    heals: Instant,
 }
 
 impl SimNet {
@@ -175,6 +196,7 @@ impl SimNet {
             inner: Arc::new(Mutex::new(Inner {
                 listeners: HashMap::new(),
                 next_port: 30_000,
+                split: None,
             })),
             latency,
         }
@@ -182,6 +204,23 @@ impl SimNet {
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn latency(&self) -> Duration {
+        self.latency
+    }
+
+    /// Cuts `side` off from every other address until `heals`.
+    pub fn split(&self, side: HashSet<IpAddr>, heals: Instant) {
+        self.inner().split = Some(Split { side, heals });
+    }
+
+    /// When what `a` sends `b` can arrive: `None` when nothing is between them now.
+    pub fn held_until(&self, a: IpAddr, b: IpAddr) -> Option<Instant> {
+        let inner = self.inner();
+        let split = inner.split.as_ref()?;
+        let across = split.side.contains(&a) != split.side.contains(&b);
+        (across && Instant::now() < split.heals).then_some(split.heals)
     }
 
     /// Node `ip`'s transport: plaintext identities (the encryption changes CPU, not the
@@ -200,6 +239,8 @@ impl SimNet {
         .upgrade(Version::V1Lazy)
         .authenticate(plaintext::Config::new(key))
         .multiplex(yamux::Config::default())
+        // Ferry's own deadline on a dial and its upgrades (`UPGRADE_DEADLINE`).
+        .timeout(Duration::from_secs(10))
         .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
         .boxed()
     }
@@ -270,7 +311,8 @@ impl Transport for SimTransport {
         let Some(to) = socket_addr(&addr) else {
             return Err(TransportError::MultiaddrNotSupported(addr));
         };
-        let latency = self.net.latency;
+        let (net, ip) = (self.net.clone(), self.ip);
+        let latency = net.latency;
         let listener = {
             let mut inner = self.net.inner();
             inner.next_port = inner.next_port.checked_add(1).unwrap_or(30_000);
@@ -278,10 +320,14 @@ impl Transport for SimTransport {
             inner.listeners.get(&to).cloned().map(|tx| (tx, from))
         };
         Ok(async move {
+            // A SYN into a partition is resent until it heals (the deadline above cuts it).
+            if let Some(heals) = net.held_until(ip, to.ip()) {
+                tokio::time::sleep_until(heals).await;
+            }
             // The SYN and its answer.
             tokio::time::sleep(latency * 2).await;
             let (tx, from) = listener.ok_or(io::ErrorKind::ConnectionRefused)?;
-            let (mine, theirs) = connection(latency);
+            let (mine, theirs) = connection(&net, ip, to.ip());
             tx.send((theirs, from))
                 .map_err(|_| io::Error::from(io::ErrorKind::ConnectionRefused))?;
             Ok(mine)
