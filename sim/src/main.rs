@@ -283,6 +283,36 @@ fn live_mib() -> f64 {
     status_mib("VmRSS:")
 }
 
+/// The storm's coalescers on `nodes`, and the data path's model from the options.
+fn rollout(nodes: &[Node], o: &Options, net: &net::SimNet) -> storm::Rollout {
+    let routers: Vec<Arc<dyn ContentRouting>> = nodes
+        .iter()
+        .map(|n| Arc::new(n.router.clone()) as Arc<dyn ContentRouting>)
+        .collect();
+    let flow = storm::Flow {
+        blob_bytes: o.storm_mib * 1_048_576.0,
+        node_rate: o.node_gbit * 1e9 / 8.0,
+        upstream_rate: o.upstream_gbit * 1e9 / 8.0,
+        hop_lag_bytes: 1_048_576.0,
+    };
+    storm::Rollout::new(&routers, net.clone(), o.relay_fanout, flow)
+}
+
+/// What names a run in the report: its scenario and settings.
+fn run_fields(o: &Options) -> serde_json::Map<String, Value> {
+    let Value::Object(fields) = json!({
+        "scenario": o.scenario,
+        "nodes": o.nodes,
+        "digests_per_node": o.digests,
+        "seed": o.seed,
+        "clock": "simulated",
+        "latency_ms": o.latency.as_secs_f64() * 1000.0,
+    }) else {
+        unreachable!("a JSON object")
+    };
+    fields
+}
+
 async fn run(o: Options) -> serde_json::Value {
     let wall = std::time::Instant::now();
     let interval = o.interval;
@@ -328,21 +358,14 @@ async fn run(o: Options) -> serde_json::Value {
     if o.scenario == "partition" {
         let fields = partition::run(&nodes, &o, &sim.net, &mut rng).await;
         sim.token.cancel();
-        let mut report = json!({
-            "scenario": "partition",
-            "nodes": o.nodes,
-            "digests_per_node": o.digests,
-            "seed": o.seed,
-            "clock": "simulated",
-            "latency_ms": o.latency.as_secs_f64() * 1000.0,
-            "joined_s": joined_s,
-            "first_round_msgs_per_node": first_round,
-            "wall_s": wall.elapsed().as_secs_f64(),
-        });
-        if let (Some(report), Value::Object(fields)) = (report.as_object_mut(), fields) {
+        let mut report = run_fields(&o);
+        report.insert("joined_s".into(), json!(joined_s));
+        report.insert("first_round_msgs_per_node".into(), json!(first_round));
+        report.insert("wall_s".into(), json!(wall.elapsed().as_secs_f64()));
+        if let Value::Object(fields) = fields {
             report.extend(fields);
         }
-        return report;
+        return Value::Object(report);
     }
     assert_eq!(o.scenario, "start", "--scenario: start or partition");
 
@@ -422,32 +445,14 @@ async fn run(o: Options) -> serde_json::Value {
         Duration::MAX
     };
     // Scenario (c): the rollout storm, on the nodes that started together.
-    let routers: Vec<Arc<dyn ContentRouting>> = nodes[..o.nodes]
-        .iter()
-        .map(|n| Arc::new(n.router.clone()) as Arc<dyn ContentRouting>)
-        .collect();
-    let ids: Vec<String> = routers.iter().map(|r| r.local().id).collect();
-    let claims = storm::Claims::new(sim.net.clone());
-    let coalescers = storm::coalescers(&routers, &claims, o.relay_fanout);
-    let flow = storm::Flow {
-        blob_bytes: o.storm_mib * 1_048_576.0,
-        node_rate: o.node_gbit * 1e9 / 8.0,
-        upstream_rate: o.upstream_gbit * 1e9 / 8.0,
-        hop_lag_bytes: 1_048_576.0,
-    };
-    let storm = storm::run(&coalescers, &ids, &claims, o.storm_digests, flow, &mut rng).await;
+    let rollout = rollout(&nodes[..o.nodes], &o, &sim.net);
+    let storm = storm::run(&rollout, o.storm_digests, &mut rng).await;
     let mem = live_mib() / (o.nodes + 1) as f64;
     let heap_mib = heap::live_mib() / (o.nodes + 1) as f64;
     let peak = status_mib("VmHWM:");
     let (ends, ends_peak) = net::ends();
     sim.token.cancel();
     let mut report = json!({
-        "scenario": "start",
-        "nodes": o.nodes,
-        "digests_per_node": o.digests,
-        "seed": o.seed,
-        "clock": "simulated",
-        "latency_ms": o.latency.as_secs_f64() * 1000.0,
         "joined_s": joined_s,
         "lookup_ms_p50": percentile(&mut found_ms, 0.5),
         "lookup_ms_p99": percentile(&mut found_ms, 0.99),
@@ -470,6 +475,7 @@ async fn run(o: Options) -> serde_json::Value {
         "wall_s": wall.elapsed().as_secs_f64(),
     });
     if let (Some(report), Value::Object(storm)) = (report.as_object_mut(), storm) {
+        report.extend(run_fields(&o));
         report.extend(storm);
     }
     report

@@ -36,7 +36,6 @@ struct Pipe {
 pub struct SimStream {
     incoming: Arc<Mutex<Pipe>>,
     outgoing: Arc<Mutex<Pipe>>,
-    latency: Duration,
     wait: Option<Pin<Box<Sleep>>>,
     net: SimNet,
     /// This end's address and the other's, for a partition between them.
@@ -68,7 +67,6 @@ fn connection(net: &SimNet, dialler: IpAddr, listener: IpAddr) -> (SimStream, Si
     let end = |incoming: &Arc<Mutex<Pipe>>, outgoing: &Arc<Mutex<Pipe>>, local, remote| SimStream {
         incoming: incoming.clone(),
         outgoing: outgoing.clone(),
-        latency: net.latency,
         wait: None,
         net: net.clone(),
         local,
@@ -126,9 +124,10 @@ impl AsyncWrite for SimStream {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         // Across a partition TCP keeps resending: the bytes arrive once it heals.
-        let mut at = Instant::now() + self.latency;
+        let latency = self.net.latency;
+        let mut at = Instant::now() + latency;
         if let Some(heals) = self.net.held_until(self.local, self.remote) {
-            at = at.max(heals + self.latency);
+            at = at.max(heals + latency);
         }
         let mut pipe = lock(&self.outgoing);
         if pipe.closed {

@@ -4,10 +4,8 @@
 //! After it heals: the same lookups across, and a second storm.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::Duration;
 
-use ferry::routing::ContentRouting;
 use serde_json::{Map, Value, json};
 use tokio::time::Instant;
 
@@ -20,19 +18,7 @@ pub async fn run(nodes: &[Node], o: &Options, net: &crate::net::SimNet, rng: &mu
     let n = nodes.len();
     let half = n / 2;
     let side = |i: usize| i < half;
-    let routers: Vec<Arc<dyn ContentRouting>> = nodes
-        .iter()
-        .map(|n| Arc::new(n.router.clone()) as Arc<dyn ContentRouting>)
-        .collect();
-    let ids: Vec<String> = routers.iter().map(|r| r.local().id).collect();
-    let claims = storm::Claims::new(net.clone());
-    let coalescers = storm::coalescers(&routers, &claims, o.relay_fanout);
-    let flow = storm::Flow {
-        blob_bytes: o.storm_mib * 1_048_576.0,
-        node_rate: o.node_gbit * 1e9 / 8.0,
-        upstream_rate: o.upstream_gbit * 1e9 / 8.0,
-        hop_lag_bytes: 1_048_576.0,
-    };
+    let rollout = crate::rollout(nodes, o, net);
 
     let heals = Instant::now() + o.partition;
     net.split((0..half).map(ip).collect::<HashSet<_>>(), heals);
@@ -43,7 +29,7 @@ pub async fn run(nodes: &[Node], o: &Options, net: &crate::net::SimNet, rng: &mu
     put(&mut out, "partition_same_side", same);
     let across = lookups(nodes, o, rng, |a, b| side(a) != side(b)).await;
     put(&mut out, "partition_across", across);
-    let during = storm::run(&coalescers, &ids, &claims, o.storm_digests, flow, rng).await;
+    let during = storm::run(&rollout, o.storm_digests, rng).await;
     rename(&mut out, during, "storm_", "partition_storm_");
     out.insert(
         "partition_storm_ended_before_heal".into(),
@@ -53,7 +39,7 @@ pub async fn run(nodes: &[Node], o: &Options, net: &crate::net::SimNet, rng: &mu
     tokio::time::sleep_until(heals + Duration::from_secs(1)).await;
     let healed = lookups(nodes, o, rng, |a, b| side(a) != side(b)).await;
     put(&mut out, "healed_across", healed);
-    let after = storm::run(&coalescers, &ids, &claims, o.storm_digests, flow, rng).await;
+    let after = storm::run(&rollout, o.storm_digests, rng).await;
     rename(&mut out, after, "storm_", "healed_storm_");
     Value::Object(out)
 }

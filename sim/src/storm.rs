@@ -26,7 +26,7 @@ pub struct Claims {
 }
 
 impl Claims {
-    pub fn new(net: SimNet) -> Arc<Claims> {
+    fn new(net: SimNet) -> Arc<Claims> {
         Arc::new(Claims {
             nodes: Mutex::default(),
             received: Mutex::default(),
@@ -76,7 +76,7 @@ pub struct Flow {
 }
 
 /// A coalescer for each router, all claiming through `claims`.
-pub fn coalescers(
+fn coalescers(
     routers: &[Arc<dyn ContentRouting>],
     claims: &Arc<Claims>,
     relay_fanout: usize,
@@ -104,15 +104,40 @@ pub fn coalescers(
         .collect()
 }
 
-/// Every node misses each of `digests` at a moment drawn in the first second.
-pub async fn run(
-    nodes: &[Arc<Coalescer>],
-    ids: &[String],
-    claims: &Arc<Claims>,
-    digests: usize,
+/// What a storm runs on: each node's coalescer and ID, the claims between them, the data path.
+pub struct Rollout {
+    nodes: Vec<Arc<Coalescer>>,
+    ids: Vec<String>,
+    claims: Arc<Claims>,
     flow: Flow,
-    rng: &mut Rng,
-) -> Value {
+}
+
+impl Rollout {
+    pub fn new(
+        routers: &[Arc<dyn ContentRouting>],
+        net: SimNet,
+        relay_fanout: usize,
+        flow: Flow,
+    ) -> Rollout {
+        let claims = Claims::new(net);
+        Rollout {
+            nodes: coalescers(routers, &claims, relay_fanout),
+            ids: routers.iter().map(|r| r.local().id).collect(),
+            claims,
+            flow,
+        }
+    }
+}
+
+/// Every node misses each of `digests` at a moment drawn in the first second.
+pub async fn run(rollout: &Rollout, digests: usize, rng: &mut Rng) -> Value {
+    let Rollout {
+        nodes,
+        ids,
+        claims,
+        flow,
+    } = rollout;
+    let flow = *flow;
     let keys: Vec<Digest> = (0..digests)
         .map(|d| Digest::sha256_of(format!("storm/{}/{d}", rng.next()).as_bytes()))
         .collect();
