@@ -370,23 +370,21 @@ impl Coalescer {
         let Some(total) = relay::blob_total(&response) else {
             return response;
         };
-        let received = {
-            let mut parts = self.lock_parts();
-            let Some(part) = parts.get_mut(digest) else {
-                return response;
-            };
-            part.received
-                .get_or_insert_with(|| Arc::new(Received::new(total, 0)))
-                .clone()
-        };
-        if received.total() != total {
-            return response;
+        match self.window(digest, total) {
+            Some(received) => relay::tee(response, &received),
+            None => response,
         }
-        relay::tee(response, &received)
     }
 
-    pub(crate) fn received(&self, digest: &Digest) -> Option<Arc<Received>> {
-        self.lock_parts().get(digest)?.received.clone()
+    /// The window of `digest`'s bytes this node receives as a follower, made by whichever
+    /// comes first: its own answer, or a follower of its own asking.
+    pub(crate) fn window(&self, digest: &Digest, total: u64) -> Option<Arc<Received>> {
+        let mut parts = self.lock_parts();
+        let part = parts.get_mut(digest)?;
+        let received = part
+            .received
+            .get_or_insert_with(|| Arc::new(Received::new(total, 0)));
+        (received.total() == total).then(|| received.clone())
     }
 
     pub fn leads(&self, digest: &Digest) -> bool {

@@ -164,3 +164,46 @@ async fn a_dead_leader_that_coordinated_is_replaced_at_the_next_coordinator() {
     let second = nodes[others[1]].decide(&d, Some(&leader)).await;
     assert_eq!(second, Decision::Follow(nodes[others[0]].router.local()));
 }
+
+/// A relay's own follower often asks before the relay's answer from its source has come (the
+/// coordinator answers both at once): it must still get the window, not containerd's writes.
+#[tokio::test]
+async fn a_follower_asking_before_its_relays_answer_reads_the_same_window() {
+    use axum::body::Body;
+    use futures::StreamExt;
+
+    let (nodes, _claims) = cluster(3);
+    let d = Digest::sha256_of(b"a layer relayed before its answer came");
+    let mut relay = None;
+    for node in &nodes {
+        if matches!(node.decide(&d, None).await, Decision::Follow(_)) {
+            relay = Some(node.clone());
+        }
+    }
+    let relay = relay.expect("a follower");
+    let total = 3 << 20;
+    // The follower asks first: the window is made for the blob's size.
+    let asked = relay.window(&d, total).expect("a follower has a window");
+    // Then the relay's own answer arrives and streams through it.
+    let body: Vec<u8> = (0..total as usize).map(|i| (i % 251) as u8).collect();
+    let answer = axum::http::Response::builder()
+        .status(200)
+        .header(axum::http::header::CONTENT_LENGTH, total)
+        .body(Body::from(body))
+        .unwrap();
+    let teed = relay.relaying(&d, answer);
+    let mut stream = teed.into_body().into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        chunk.unwrap();
+    }
+    assert_eq!(
+        asked.end(),
+        total,
+        "every byte it received is in the window asked for"
+    );
+    assert!(Arc::ptr_eq(&asked, &relay.window(&d, total).unwrap()));
+    assert!(
+        relay.window(&d, total + 1).is_none(),
+        "another size is not this blob"
+    );
+}

@@ -271,9 +271,16 @@ async fn in_flight(
     };
     let download = match landing {
         // A relay serves what it has received, not only what its containerd has written.
-        Landing::InFlight(ingest) => match (&role, coalesce.received(digest)) {
-            (Role::Follow(_), Some(received)) => {
-                Arc::new(Relayed { ingest, received }) as crate::store::downloads::InFlight
+        // A follower often asks before this node's own answer has come: the window is made
+        // now, else every byte would wait for containerd's next mebibyte write.
+        Landing::InFlight(ingest) => match (&role, &req.path) {
+            (Role::Follow(_), ApiPath::Blob { .. }) => {
+                match coalesce.window(digest, ingest.total()) {
+                    Some(received) => {
+                        Arc::new(Relayed { ingest, received }) as crate::store::downloads::InFlight
+                    }
+                    None => ingest,
+                }
             }
             _ => ingest,
         },

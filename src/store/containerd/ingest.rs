@@ -102,7 +102,14 @@ impl Download for Ingest {
             ));
         }
         let data = self.dir.join("data");
-        let mut file = tokio::fs::File::open(&data).await?;
+        let mut file = match tokio::fs::File::open(&data).await {
+            Ok(file) => file,
+            // Landed meanwhile: the same bytes, renamed into place (and checked) by containerd.
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                tokio::fs::File::open(&self.committed).await?
+            }
+            Err(e) => return Err(e),
+        };
         file.seek(std::io::SeekFrom::Start(offset)).await?;
         let state = Reader {
             file,
