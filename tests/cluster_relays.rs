@@ -1,7 +1,7 @@
 //! Relays, on four nodes with `--relay-fanout 1` (so every blob's followers form a chain: the
 //! leader streams it to one follower, which relays its own download to the next): each blob
 //! still crosses the upstream link once, the leader's link carries it once, and a relay that
-//! dies or stalls mid-blob costs no pull and at most one more upstream fetch.
+//! dies, stalls or turns slow mid-blob costs no pull and at most one more upstream fetch.
 
 #![allow(clippy::unwrap_used)] // test helpers panic by design
 
@@ -29,7 +29,7 @@ fn image_bytes(image: &Image) -> u64 {
 }
 
 #[test]
-fn followers_relay_and_a_relay_that_dies_or_stalls_costs_no_pull() {
+fn followers_relay_and_a_relay_that_dies_stalls_or_slows_costs_no_pull() {
     let _one = serial();
     let mut net = Net::new();
     let (tmp, dir) = test_dir();
@@ -169,6 +169,31 @@ fn followers_relay_and_a_relay_that_dies_or_stalls_costs_no_pull() {
     });
     all_content_right(&c.nodes.iter().collect::<Vec<_>>(), &image);
     fetched_between(&c.registry, since, &image, 1..=2, "a relay stalled");
+
+    // 4. A relay turns slow mid-blob (what it sends from its peer address shaped to 2 Mbit/s,
+    //    what it receives not): it sends its follower away, which is re-attached elsewhere.
+    let (image, reference) = new_image(&c, dir, "relay-slow");
+    let since = c.registry.requests().len();
+    let before = relayed(&c.nodes);
+    let slow = "ferry_coalesce_total{role=\"relay\",result=\"slow_follower\"}";
+    let sent_away = sum(&c.nodes, slow);
+    std::thread::scope(|s| {
+        let pulls = s.spawn(|| storm(&c.nodes, std::slice::from_ref(&reference)));
+        let relay = relay_mid_blob(&c.nodes, &before);
+        shape_peer_sending(&c.nodes[relay].ns, "2mbit");
+        for (node, result) in c.nodes.iter().zip(pulls.join().unwrap()) {
+            if let Err(out) = result {
+                panic!("{}'s pull failed with a relay slowed:\n{out}", node.name);
+            }
+        }
+        eprintln!("relay {} slowed; every pull succeeded", c.nodes[relay].name);
+    });
+    all_content_right(&c.nodes.iter().collect::<Vec<_>>(), &image);
+    fetched_between(&c.registry, since, &image, 1..=2, "a relay slowed");
+    assert!(
+        sum(&c.nodes, slow) > sent_away,
+        "the slowed relay sent no follower away"
+    );
 
     drop(c);
     drop(tmp);

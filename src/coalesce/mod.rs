@@ -447,10 +447,18 @@ impl Coalescer {
     }
 
     pub fn count(&self, role: &'static str, result: &'static str) {
+        self.counter(role, result).inc();
+    }
+
+    pub(crate) fn counter(
+        &self,
+        role: &'static str,
+        result: &'static str,
+    ) -> prometheus_client::metrics::counter::Counter {
         self.metrics
             .coalesce
             .get_or_create(&CoalesceLabels { role, result })
-            .inc();
+            .clone()
     }
 
     fn lock_parts(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Part>> {

@@ -3,9 +3,10 @@
 //!
 //! Invariant: the window holds only bytes of this blob that passed through this node, in
 //! order, at most [`WINDOW`] of them; a reader gets each byte once, from the download or the
-//! window, and ends in an error, never short.
+//! window, and ends in an error, never short. A follower this relay feeds far slower than it
+//! is fed itself is given up and sent away ([`Received::gave_up`]): it re-attaches elsewhere.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use axum::http::{StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures::StreamExt;
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -25,6 +27,14 @@ pub(crate) const WINDOW: u64 = 4 << 20;
 const CHUNK: usize = 256 << 10;
 /// How often a reader waiting at the window's end also checks the download.
 const FILE_POLL: Duration = Duration::from_millis(50);
+/// A follower is measured over this long: long enough that a link shared with a few other
+/// layers for a moment does not count as slow.
+const SLOW_PERIOD: Duration = Duration::from_secs(5);
+/// A follower further behind what this relay has received than the window holds, ...
+const SLOW_LAG: u64 = WINDOW;
+/// ... and fed at under a quarter of the best rate this relay was fed itself, is given up:
+/// this relay (its link or its CPU) holds its whole subtree back.
+const SLOW_RATIO: u64 = 4;
 
 /// The bytes of one blob this node is receiving as a follower, newest [`WINDOW`] of them.
 #[derive(Debug)]
@@ -32,6 +42,8 @@ pub(crate) struct Received {
     total: u64,
     state: Mutex<Window>,
     end: watch::Sender<u64>,
+    /// Followers given up as too slow for this relay: their next follow request is refused.
+    given_up: Mutex<HashSet<String>>,
 }
 
 #[derive(Debug)]
@@ -51,7 +63,19 @@ impl Received {
                 last: Instant::now(),
             }),
             end: watch::Sender::new(start),
+            given_up: Mutex::default(),
         }
+    }
+
+    /// Whether `follower` was given up as too slow for this relay.
+    pub(crate) fn gave_up(&self, follower: &str) -> bool {
+        let given_up = self.given_up.lock().unwrap_or_else(|e| e.into_inner());
+        given_up.contains(follower)
+    }
+
+    fn give_up(&self, follower: &str) {
+        let mut given_up = self.given_up.lock().unwrap_or_else(|e| e.into_inner());
+        given_up.insert(follower.to_string());
     }
 
     pub(crate) fn total(&self) -> u64 {
@@ -189,11 +213,14 @@ fn content_range_start(response: &Response) -> Option<u64> {
     range.split('-').next()?.parse().ok()
 }
 
-/// A relay's download as its followers read it: containerd's, then the window.
+/// A relay's download as one follower reads it: containerd's, then the window.
 #[derive(Debug)]
 pub(crate) struct Relayed {
     pub(crate) ingest: InFlight,
     pub(crate) received: Arc<Received>,
+    pub(crate) follower: String,
+    /// Counts followers given up as too slow.
+    pub(crate) slow: Counter,
 }
 
 #[async_trait::async_trait]
@@ -220,6 +247,9 @@ impl Download for Relayed {
             pos: offset,
             total: self.ingest.total(),
             idle,
+            pace: Pace::new(offset, self.received.end()),
+            follower: self.follower.clone(),
+            slow: self.slow.clone(),
         };
         Ok(Box::pin(futures::stream::unfold(
             Some(reader),
@@ -244,10 +274,60 @@ struct Reader {
     pos: u64,
     total: u64,
     idle: Duration,
+    pace: Pace,
+    follower: String,
+    slow: Counter,
+}
+
+/// How fast this relay feeds one follower against how fast it was fed itself.
+#[derive(Debug)]
+struct Pace {
+    since: Instant,
+    pos: u64,
+    end: u64,
+    /// The most this relay received in one period so far.
+    best_in: u64,
+}
+
+impl Pace {
+    fn new(pos: u64, end: u64) -> Pace {
+        Pace {
+            since: Instant::now(),
+            pos,
+            end,
+            best_in: 0,
+        }
+    }
+
+    /// At the end of each period: whether the follower at `pos` is too slow for a relay that
+    /// has received up to `end`.
+    fn too_slow(&mut self, pos: u64, end: u64) -> bool {
+        if self.since.elapsed() < SLOW_PERIOD {
+            return false;
+        }
+        let sent = pos.saturating_sub(self.pos);
+        self.best_in = self.best_in.max(end.saturating_sub(self.end));
+        *self = Pace {
+            since: Instant::now(),
+            pos,
+            end,
+            best_in: self.best_in,
+        };
+        end.saturating_sub(pos) > SLOW_LAG && sent.saturating_mul(SLOW_RATIO) < self.best_in
+    }
 }
 
 impl Reader {
     async fn next(&mut self) -> std::io::Result<Option<Bytes>> {
+        if self.pace.too_slow(self.pos, self.received.end()) {
+            self.received.give_up(&self.follower);
+            self.slow.inc();
+            tracing::info!(follower = %self.follower, at = self.pos, behind = self.received.end().saturating_sub(self.pos), "a follower this relay feeds far slower than it is fed: sent elsewhere");
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the follower falls ever further behind this relay",
+            ));
+        }
         let mut waited_since = Instant::now();
         loop {
             if self.pos >= self.total {
@@ -319,6 +399,8 @@ mod tests {
         let relayed = Relayed {
             ingest,
             received: received.clone(),
+            follower: "f".into(),
+            slow: Counter::default(),
         };
         // containerd has written 5 MiB; this node has received 7 MiB.
         writer.append(&data[..5 << 20]);
@@ -352,6 +434,8 @@ mod tests {
         let relayed = Relayed {
             ingest,
             received: received.clone(),
+            follower: "f".into(),
+            slow: Counter::default(),
         };
         received.push(&Bytes::copy_from_slice(&data[..1 << 20]));
         // Asked from 2 MiB, not received yet: it waits.
@@ -404,5 +488,66 @@ mod tests {
         assert_eq!(received.end(), 9 << 20);
         assert!(received.slice(9 << 20, 1).is_none());
         assert_eq!(received.slice((9 << 20) - 1, 5).unwrap().len(), 1);
+    }
+
+    async fn relayed(store: &MemoryStore, digest: &Digest, total: u64) -> (Relayed, Arc<Received>) {
+        let received = Arc::new(Received::new(total, 0));
+        let ingest = store.downloads(digest, Scope::Namespace).await.remove(0);
+        let relayed = Relayed {
+            ingest,
+            received: received.clone(),
+            follower: "slow-node".into(),
+            slow: Counter::default(),
+        };
+        (relayed, received)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_fed_far_slower_than_the_relay_is_fed_is_sent_away() {
+        let data = blob();
+        let digest = Digest::sha256_of(&data);
+        let store = MemoryStore::new();
+        let writer = store.start_download(&digest, data.len() as u64);
+        let (relayed, received) = relayed(&store, &digest, data.len() as u64).await;
+        let mut reader = relayed.read_from(0, Duration::from_secs(5)).await.unwrap();
+        // The relay gets the whole 10 MiB at once; its follower takes one chunk in 6 s.
+        writer.append(&data);
+        for c in data.chunks(256 << 10) {
+            received.push(&Bytes::copy_from_slice(c));
+        }
+        let first = reader.next().await.unwrap().unwrap();
+        assert_eq!(first[..], data[..first.len()]);
+        tokio::time::advance(SLOW_PERIOD + Duration::from_secs(1)).await;
+        let next = reader.next().await;
+        assert!(matches!(next, Some(Err(_))), "cut, never short: {next:?}");
+        assert!(
+            received.gave_up("slow-node"),
+            "its next follow request is refused"
+        );
+        assert!(!received.gave_up("another-node"));
+        assert_eq!(relayed.slow.get(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_that_keeps_pace_is_never_sent_away() {
+        let data = blob();
+        let digest = Digest::sha256_of(&data);
+        let store = MemoryStore::new();
+        let writer = store.start_download(&digest, data.len() as u64);
+        let (relayed, received) = relayed(&store, &digest, data.len() as u64).await;
+        let mut reader = relayed.read_from(0, Duration::from_secs(5)).await.unwrap();
+        let mut got = Vec::new();
+        // A mebibyte a second comes in, and the follower takes all of it each second.
+        for mib in data.chunks(1 << 20) {
+            writer.append(mib);
+            received.push(&Bytes::copy_from_slice(mib));
+            while (got.len() as u64) < received.end() {
+                got.extend_from_slice(&reader.next().await.unwrap().unwrap());
+            }
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        assert!(got == data);
+        assert!(!received.gave_up("slow-node"));
+        assert_eq!(relayed.slow.get(), 0);
     }
 }

@@ -102,9 +102,10 @@ pub struct ProbeLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CoalesceLabels {
-    /// leader, follower, none
+    /// leader, follower, relay, none
     pub role: &'static str,
-    /// leader: upstream; follower: assigned, served, failed; none: coordinator_unreachable
+    /// leader: upstream; follower: assigned, served, failed; relay: slow_follower (sent away);
+    /// none: coordinator_unreachable
     pub result: &'static str,
 }
 

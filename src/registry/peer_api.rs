@@ -171,7 +171,7 @@ async fn answer(api: &PeerApi, mut req: Pull) -> Result<Response, ApiError> {
         && let Some(role) = coalesce.role_soon(digest).await
     {
         let serving = coalesce.serving(digest, follower);
-        let response = in_flight(api, coalesce, &req, digest, role).await?;
+        let response = in_flight(api, coalesce, &req, digest, role, follower).await?;
         // A follower is one while its body streams, not only while its answer is found.
         return Ok(request::holding(response, serving));
     }
@@ -238,6 +238,7 @@ async fn in_flight(
     req: &Pull,
     digest: &Digest,
     role: Role,
+    follower: &str,
 ) -> Result<Response, ApiError> {
     let complete = || async {
         match &req.path {
@@ -276,9 +277,17 @@ async fn in_flight(
         Landing::InFlight(ingest) => match (&role, &req.path) {
             (Role::Follow(_), ApiPath::Blob { .. }) => {
                 match coalesce.window(digest, ingest.total()) {
-                    Some(received) => {
-                        Arc::new(Relayed { ingest, received }) as crate::store::downloads::InFlight
+                    // Sent away as too slow for this relay: it reports this node and is
+                    // re-attached elsewhere.
+                    Some(received) if received.gave_up(follower) => {
+                        return Err(ApiError::BlobUnknown);
                     }
+                    Some(received) => Arc::new(Relayed {
+                        ingest,
+                        received,
+                        follower: follower.to_string(),
+                        slow: coalesce.counter("relay", "slow_follower"),
+                    }) as crate::store::downloads::InFlight,
                     None => ingest,
                 }
             }

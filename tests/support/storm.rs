@@ -52,6 +52,33 @@ pub fn shape(ns: &str, rate: &str) {
     assert!(status.success(), "tc tbf");
 }
 
+/// What a node sends from its peer address, and nothing else, shaped to `rate`: its own
+/// downloads' acknowledgements still leave at once, so it is fed as fast as before.
+pub fn shape_peer_sending(ns: &str, rate: &str) {
+    let port = super::cluster::PEER_PORT.to_string();
+    let steps: [&[&str]; 4] = [
+        &[
+            "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "10",
+        ],
+        &[
+            "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb", "rate",
+            "10gbit",
+        ],
+        &[
+            "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", rate,
+            "ceil", rate,
+        ],
+        &[
+            "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
+            "match", "ip", "sport", &port, "0xffff", "flowid", "1:20",
+        ],
+    ];
+    for args in steps {
+        let status = in_netns(Some(ns), "tc").args(args).status().unwrap();
+        assert!(status.success(), "tc {args:?}");
+    }
+}
+
 /// The nodes, pulling from `registry_addr`, all connected to all.
 pub fn nodes(net: &mut Net, dir: &Path, registry_addr: SocketAddr) -> Vec<Node> {
     nodes_with(net, dir, registry_addr, &[])
