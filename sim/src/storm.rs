@@ -5,6 +5,7 @@
 //! what its source receives, shared among the source's followers, behind its own link.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,6 +23,8 @@ use crate::net::SimNet;
 pub struct Claims {
     nodes: Mutex<HashMap<String, Arc<Coalescer>>>,
     received: Mutex<HashMap<String, u64>>,
+    /// Claims sent into a partition: their coordinator was out of the claimant's reach.
+    across: AtomicUsize,
     net: SimNet,
 }
 
@@ -30,6 +33,7 @@ impl Claims {
         Arc::new(Claims {
             nodes: Mutex::default(),
             received: Mutex::default(),
+            across: AtomicUsize::new(0),
             net,
         })
     }
@@ -49,6 +53,7 @@ impl ClaimSender for Claims {
             .net
             .held_until(claimant.addr.ip(), coordinator.addr.ip())
         {
+            self.across.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep_until(heals).await;
         }
         tokio::time::sleep(self.net.latency() * 2).await;
@@ -158,6 +163,7 @@ pub async fn run(rollout: &Rollout, digests: usize, rng: &mut Rng) -> Value {
     for t in tasks {
         decided.push(t.await.expect("decision"));
     }
+    let across = claims.across.swap(0, Ordering::Relaxed);
     let index: HashMap<&str, usize> = ids
         .iter()
         .enumerate()
@@ -198,6 +204,7 @@ pub async fn run(rollout: &Rollout, digests: usize, rng: &mut Rng) -> Value {
         "storm_leaders_per_digest_mean": leaders_mean,
         "storm_leaders_per_digest_max": leaders.iter().copied().max().unwrap_or(0),
         "storm_alone_decisions": alone,
+        "storm_claims_across_partition": across,
         // From the first miss: each miss is at most 1 s in, so a wait beyond that is the decision's.
         "storm_decided_s_p50": wait_at(0.5),
         "storm_decided_s_max": wait_at(1.0),

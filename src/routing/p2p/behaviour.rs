@@ -30,7 +30,7 @@ pub(super) const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Keys with records here, own and others' (a busy node provides 10,000).
 const MAX_PROVIDED_KEYS: usize = 1_000_000;
 /// Kademlia's alpha.
-const PARALLELISM: usize = 5;
+pub(super) const PARALLELISM: usize = 5;
 
 #[derive(NetworkBehaviour)]
 pub(super) struct Behaviour {

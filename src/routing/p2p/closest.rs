@@ -1,6 +1,7 @@
 //! Which node coordinates a key's download: the XOR-closest, this node included. All walks
 //! for a key end at the same nodes, so nodes agree unconnected. Invariant: only a walk that
-//! ran to its end stands for its key, for [`CLOSEST_FRESH`].
+//! ran to its end stands for its key, for [`CLOSEST_FRESH`]; a walk cut short answers only
+//! those who wait on it.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -28,6 +29,8 @@ pub(super) enum Coordinator {
 pub(super) struct Closest<Q = QueryId> {
     me: PeerId,
     walking: HashMap<Q, String>,
+    /// Walks told to end with the nodes that answered so far (a pull could not wait).
+    cut: HashMap<Q, String>,
     found: HashMap<String, (Instant, Coordinator)>,
 }
 
@@ -36,6 +39,7 @@ impl<Q: Hash + Eq> Closest<Q> {
         Closest {
             me,
             walking: HashMap::new(),
+            cut: HashMap::new(),
             found: HashMap::new(),
         }
     }
@@ -45,21 +49,48 @@ impl<Q: Hash + Eq> Closest<Q> {
     }
 
     pub(super) fn is_walking(&self, key: &str) -> bool {
-        self.walking.values().any(|k| k == key)
+        self.walking
+            .values()
+            .chain(self.cut.values())
+            .any(|k| k == key)
     }
 
     /// The walk was cut short: the nodes it reached must not stand for the key.
     pub(super) fn abandoned(&mut self, id: &Q) -> Option<String> {
-        self.walking.remove(id)
+        self.walking.remove(id).or_else(|| self.cut.remove(id))
     }
 
-    /// A walk ended; `peers` are its closest nodes if it ran to its end. Returns its key.
+    /// The walks for `key` that are to end now, with the nodes that answered so far: they
+    /// answer whoever waits, and stand for nothing afterwards.
+    pub(super) fn cut(&mut self, key: &str) -> Vec<Q>
+    where
+        Q: Clone,
+    {
+        let ids: Vec<Q> = self
+            .walking
+            .iter()
+            .filter(|(_, k)| *k == key)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &ids {
+            if let Some(k) = self.walking.remove(id) {
+                self.cut.insert(id.clone(), k);
+            }
+        }
+        ids
+    }
+
+    /// A walk ended; `peers` are its closest nodes if it ran to its end. Returns its key,
+    /// and whether it was cut short.
     pub(super) fn walked(
         &mut self,
         id: &Q,
         peers: Option<&[PeerId]>,
         now: Instant,
-    ) -> Option<String> {
+    ) -> Option<(String, bool)> {
+        if let Some(key) = self.cut.remove(id) {
+            return Some((key, true));
+        }
         let key = self.walking.remove(id)?;
         if let Some(peers) = peers {
             let coordinator = self.closest_of(&key, peers);
@@ -72,7 +103,7 @@ impl<Q: Hash + Eq> Closest<Q> {
             }
             self.found.insert(key.clone(), (now, coordinator));
         }
-        Some(key)
+        Some((key, false))
     }
 
     pub(super) fn coordinator(&self, key: &str, now: Instant) -> Option<Coordinator> {
@@ -133,15 +164,32 @@ mod tests {
         assert!(closest.is_walking("two"));
         closest.abandoned(&b);
         assert!(!closest.is_walking("two"));
-        assert_eq!(
-            closest.walked(&a, Some(&[other]), now).as_deref(),
-            Some("one")
-        );
+        let one = closest.walked(&a, Some(&[other]), now);
+        assert_eq!(one, Some(("one".into(), false)));
         assert_eq!(closest.walked(&b, Some(&[other]), now), None);
-        assert_eq!(closest.walked(&c, None, now).as_deref(), Some("three"));
+        let three = closest.walked(&c, None, now);
+        assert_eq!(three, Some(("three".into(), false)));
         assert!(closest.coordinator("one", now).is_some());
         assert!(closest.coordinator("two", now).is_none());
         assert!(closest.coordinator("three", now).is_none());
         assert!(closest.coordinator("one", now + CLOSEST_FRESH).is_none());
+    }
+
+    #[test]
+    fn a_walk_cut_short_answers_its_waiters_but_stands_for_nothing() {
+        let me = PeerId::random();
+        let other = PeerId::random();
+        let mut closest = Closest::new(me);
+        let now = Instant::now();
+        closest.walking(1u32, "key".into());
+        closest.walking(2u32, "other".into());
+        assert_eq!(closest.cut("key"), vec![1]);
+        assert!(closest.is_walking("key"), "its answer is still to come");
+        assert!(closest.cut("key").is_empty(), "cut once");
+        let ended = closest.walked(&1, Some(&[other]), now);
+        assert_eq!(ended, Some(("key".into(), true)));
+        assert!(!closest.is_walking("key"));
+        assert!(closest.coordinator("key", now).is_none());
+        assert!(closest.is_walking("other"));
     }
 }

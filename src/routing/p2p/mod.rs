@@ -57,7 +57,7 @@ const LOOKUP_BUFFER: usize = 32;
 /// lookup and its pull, short enough that a round's connections close before the next.
 pub const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long picking a coordinator, on a pull's path, waits for a walk; then the closest node
-/// known (`NearestKnown`), at worst a second upstream fetch.
+/// that answered it (`CoordinatorNow`), at worst a second upstream fetch.
 const COORDINATOR_WAIT: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone)]
@@ -156,8 +156,8 @@ pub(crate) enum Command {
         key: String,
         reply: mpsc::Sender<super::Peer>,
     },
-    /// The closest known node, without a walk (`Coordinator` was slow).
-    NearestKnown {
+    /// The closest node the walk reached so far (`Coordinator` was slow).
+    CoordinatorNow {
         key: String,
         reply: mpsc::Sender<super::Peer>,
     },
@@ -464,14 +464,14 @@ impl ContentRouting for P2pRouter {
         if let Ok(found) = walked.await {
             return found;
         }
-        // The walk's own XOR rule over the nodes known now; rendezvous hashing would disagree
+        // The walk's own XOR rule over the nodes it reached; rendezvous hashing would disagree
         // with the other nodes' walks: two leaders.
         tracing::info!(
             key,
             waited_ms = COORDINATOR_WAIT.as_millis() as u64,
-            "the DHT walk for a coordinator is slow; picking the closest node known"
+            "the DHT walk for a coordinator is slow; picking the closest node it reached"
         );
-        self.ask_for_peer(|reply| Command::NearestKnown { key, reply })
+        self.ask_for_peer(|reply| Command::CoordinatorNow { key, reply })
             .await
             .ok()
             .flatten()

@@ -1,5 +1,5 @@
-//! Naming a key's coordinator: a walk to the key, or the nearest known node when the walk is
-//! too slow. Invariant: every waiting reply is answered or dropped.
+//! Naming a key's coordinator: a walk to the key or, when the walk is too slow, the closest of
+//! the nodes that answered it so far. Invariant: every waiting reply is answered or dropped.
 
 use super::*;
 
@@ -20,19 +20,38 @@ impl EventLoop {
         }
     }
 
-    /// The XOR-closest known node, as a walk picks, for a pull that could not wait.
-    pub(super) fn nearest_known(&mut self, key: String, reply: mpsc::Sender<Peer>) {
+    /// For a pull that could not wait: the walk ends now, and the closest node that answered
+    /// it names the coordinator. In a partition those are this side's nodes; the closest
+    /// known node may be across (a claim that waits out its deadline).
+    pub(super) fn coordinator_now(&mut self, key: String, reply: mpsc::Sender<Peer>) {
         // The walk may have ended since the caller gave up on it.
         if let Some(found) = self.closest.coordinator(&key, Instant::now()) {
             self.send_coordinator(found, reply);
             return;
         }
+        let cut = self.closest.cut(&key);
+        let mut ending = false;
+        for id in cut {
+            if let Some(mut query) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                query.finish();
+                ending = true;
+            }
+        }
+        if ending || self.closest.is_walking(&key) {
+            self.coordinator_waiting.entry(key).or_default().push(reply);
+        } else {
+            let found = self.nearest_known(&key);
+            self.send_coordinator(found, reply);
+        }
+    }
+
+    /// The XOR-closest known node, as a walk picks.
+    fn nearest_known(&mut self, key: &str) -> Coordinator {
         let mut known: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
         for bucket in self.swarm.behaviour_mut().kad.kbuckets() {
             known.extend(bucket.iter().map(|e| *e.node.key.preimage()));
         }
-        let found = self.closest.closest_of(&key, &known);
-        self.send_coordinator(found, reply);
+        self.closest.closest_of(key, &known)
     }
 
     fn walk_for_coordinator(&mut self, key: String) {
@@ -47,13 +66,24 @@ impl EventLoop {
 
     /// A walk ended, with its closest nodes if it ran to its end; otherwise whoever waits
     /// gets a walk of their own.
-    pub(super) fn walk_ended(&mut self, key: String, closest: Option<&[PeerId]>) {
+    pub(super) fn walk_ended(&mut self, key: String, closest: Option<&[PeerId]>, cut: bool) {
         if !self.coordinator_waiting.contains_key(&key) {
             return;
         }
         match closest {
+            // Cut before it heard more than its first round: its pick would be this node's
+            // alone. Dropping the replies sends the caller to its rendezvous backup, which
+            // such nodes share.
+            Some(peers) if cut && peers.len() <= PARALLELISM => {
+                self.coordinator_waiting.remove(&key);
+            }
             Some(peers) => {
-                let coordinator = self.closest.closest_of(&key, peers);
+                // No node answered: this one may be cut off, or only slow.
+                let coordinator = if peers.is_empty() {
+                    self.nearest_known(&key)
+                } else {
+                    self.closest.closest_of(&key, peers)
+                };
                 for reply in self.coordinator_waiting.remove(&key).unwrap_or_default() {
                     self.send_coordinator(coordinator, reply);
                 }

@@ -18,7 +18,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::announcer::Announcer;
-use super::behaviour::{Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, ProvideTiming, peer_addr_of};
+use super::behaviour::{
+    Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, PARALLELISM, ProvideTiming, peer_addr_of,
+};
 use super::closest::{Closest, Coordinator};
 use super::dials::BootstrapDials;
 use super::draws::Draws;
@@ -248,7 +250,7 @@ impl EventLoop {
                 self.lookup_dials.insert(id, (self.dialled, false));
             }
             Command::Coordinator { key, reply } => self.coordinator(key, reply),
-            Command::NearestKnown { key, reply } => self.nearest_known(key, reply),
+            Command::CoordinatorNow { key, reply } => self.coordinator_now(key, reply),
             Command::Bootstrap { addrs } => self.bootstrap_dial(addrs),
             Command::Advertise { keys, reply } => {
                 let _ = reply.send(self.announcer.advertise(&mut self.swarm, keys));
@@ -386,8 +388,8 @@ impl EventLoop {
                         let walked = self
                             .closest
                             .walked(&id, Some(&closest_peers), Instant::now());
-                        if let Some(key) = walked {
-                            self.walk_ended(key, Some(&closest_peers));
+                        if let Some((key, cut)) = walked {
+                            self.walk_ended(key, Some(&closest_peers), cut);
                         }
                         self.lookups.remove(&id);
                     }
@@ -398,8 +400,8 @@ impl EventLoop {
                 }
                 if step.last {
                     self.lookup_ended(id, &stats);
-                    if let Some(key) = self.closest.walked(&id, None, Instant::now()) {
-                        self.walk_ended(key, None);
+                    if let Some((key, cut)) = self.closest.walked(&id, None, Instant::now()) {
+                        self.walk_ended(key, None, cut);
                     }
                     self.lookups.remove(&id);
                 }
@@ -413,7 +415,7 @@ impl EventLoop {
                     // Only walks that found providers are cut short; they prove nothing about
                     // a coordinator, so whoever waits gets a walk of its own.
                     if let Some(key) = self.closest.abandoned(&id) {
-                        self.walk_ended(key, None);
+                        self.walk_ended(key, None, false);
                     }
                     if let Some(mut query) = self.swarm.behaviour_mut().kad.query_mut(&id) {
                         query.finish();
@@ -438,8 +440,8 @@ impl EventLoop {
                         complete.then_some(peers.as_slice()),
                         Instant::now(),
                     );
-                    if let Some(key) = walked {
-                        self.walk_ended(key, Some(&peers));
+                    if let Some((key, cut)) = walked {
+                        self.walk_ended(key, Some(&peers), cut);
                     }
                 } else {
                     self.announcer.on_walk(&mut self.swarm, id, found, complete);
