@@ -45,6 +45,11 @@ impl EventLoop {
         }
     }
 
+    fn known_nodes(&mut self) -> usize {
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        kad.kbuckets().map(|b| b.num_entries()).sum()
+    }
+
     /// The XOR-closest known node, as a walk picks.
     fn nearest_known(&mut self, key: &str) -> Coordinator {
         let mut known: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
@@ -71,10 +76,12 @@ impl EventLoop {
             return;
         }
         match closest {
-            // Cut before it heard more than its first round: its pick would be this node's
-            // alone. Dropping the replies sends the caller to its rendezvous backup, which
-            // such nodes share.
-            Some(peers) if cut && peers.len() <= PARALLELISM => {
+            // Cut before it heard more than its first round, which did not ask every node
+            // this one knows: its pick would be this node's alone. Dropping the replies sends
+            // the caller to its rendezvous backup, which such nodes share.
+            Some(peers)
+                if cut && peers.len() <= PARALLELISM && self.known_nodes() > PARALLELISM =>
+            {
                 self.coordinator_waiting.remove(&key);
             }
             Some(peers) => {
