@@ -464,8 +464,8 @@ impl ContentRouting for P2pRouter {
         if let Ok(found) = walked.await {
             return found;
         }
-        // The walk's own XOR rule over the nodes it reached; rendezvous hashing would disagree
-        // with the other nodes' walks: two leaders.
+        // The walk's own XOR rule over the nodes it reached; None (the caller's rendezvous
+        // backup) when it reached too few to agree with other nodes' walks.
         tracing::info!(
             key,
             waited_ms = COORDINATOR_WAIT.as_millis() as u64,
