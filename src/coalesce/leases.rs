@@ -22,6 +22,10 @@ const MAX_LEASES: usize = 100_000;
 pub(crate) const CHAIN_DEPTH: usize = 16;
 /// Members of one tree that may be sources; later claimants follow without becoming one.
 const MAX_MEMBERS: usize = 4_096;
+/// A report against a leader promoted this recently is about the relay it was before: its
+/// followers were cut when its own source stalled (a peer's idle timeout, 5 s by default),
+/// and its fresh download from upstream is not what failed.
+pub(crate) const PROMOTED_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Grant {
@@ -36,6 +40,8 @@ pub enum Grant {
 #[derive(Debug)]
 struct Tree {
     granted: Instant,
+    /// When the leader took over from a reported one.
+    promoted: Option<Instant>,
     leader: usize,
     members: Vec<Member>,
 }
@@ -90,7 +96,7 @@ impl Leases {
             && now.saturating_duration_since(tree.granted) < LEASE
         {
             if let Some(failed) = failed {
-                tree.failed(failed);
+                tree.failed(failed, now);
             }
             if tree.members[tree.leader].alive {
                 return tree.attach(claimant, self.fanout, self.chain);
@@ -126,6 +132,7 @@ impl Tree {
     fn new(leader: &Peer, now: Instant) -> Tree {
         Tree {
             granted: now,
+            promoted: None,
             leader: 0,
             members: vec![Member::new(leader.clone(), None, 0)],
         }
@@ -136,15 +143,38 @@ impl Tree {
     }
 
     /// A member that could not be followed: no one is sent to it again.
-    fn failed(&mut self, id: &str) {
-        if let Some(i) = self.find(id)
-            && self.members[i].alive
-        {
-            self.members[i].alive = false;
-            if let Some(p) = self.members[i].parent {
-                self.members[p].children = self.members[p].children.saturating_sub(1);
-            }
+    fn failed(&mut self, id: &str, now: Instant) {
+        let Some(i) = self.find(id) else { return };
+        let just_promoted = self
+            .promoted
+            .is_some_and(|t| now.saturating_duration_since(t) < PROMOTED_GRACE);
+        if i == self.leader && just_promoted {
+            return;
         }
+        self.set_alive(i, false);
+    }
+
+    /// Keeps each parent's `children` the count of its live children.
+    fn set_alive(&mut self, i: usize, alive: bool) {
+        if self.members[i].alive == alive {
+            return;
+        }
+        self.members[i].alive = alive;
+        if let Some(p) = self.members[i].parent {
+            let children = &mut self.members[p].children;
+            *children = if alive {
+                *children + 1
+            } else {
+                children.saturating_sub(1)
+            };
+        }
+    }
+
+    fn set_parent(&mut self, i: usize, parent: Option<usize>) {
+        let alive = self.members[i].alive;
+        self.set_alive(i, false);
+        self.members[i].parent = parent;
+        self.set_alive(i, alive);
     }
 
     /// The claimant's live source, else a new one outside its own subtree.
@@ -154,7 +184,7 @@ impl Tree {
             return Grant::Lead;
         }
         if let Some(me) = me {
-            self.members[me].alive = true;
+            self.set_alive(me, true);
             if let Some(parent) = self.members[me].parent
                 && self.members[parent].alive
             {
@@ -169,18 +199,17 @@ impl Tree {
         let depth = self.members[source].depth + 1;
         match me {
             Some(me) => {
-                let member = &mut self.members[me];
-                member.parent = Some(source);
-                member.depth = depth;
+                self.set_parent(me, Some(source));
+                self.members[me].depth = depth;
             }
             None if self.members.len() < MAX_MEMBERS => {
                 self.members
                     .push(Member::new(claimant.clone(), Some(source), depth));
+                self.members[source].children += 1;
             }
             // Not recorded: it follows without becoming a source.
-            None => {}
+            None => self.members[source].children += 1,
         }
-        self.members[source].children += 1;
         self.follow(source)
     }
 
@@ -237,14 +266,12 @@ impl Tree {
                 self.members.len() - 1
             }
         };
-        if let Some(p) = self.members[me].parent.take() {
-            self.members[p].children = self.members[p].children.saturating_sub(1);
-        }
-        let member = &mut self.members[me];
-        member.depth = 0;
-        member.alive = true;
+        self.set_parent(me, None);
+        self.set_alive(me, true);
+        self.members[me].depth = 0;
         self.leader = me;
         self.granted = now;
+        self.promoted = Some(now);
     }
 }
 
@@ -404,5 +431,76 @@ mod tests {
             leases.claim(&d, &peer("0"), None, t),
             Grant::Follow { leader, .. } if leader.id == "1"
         ));
+    }
+
+    /// The leader of a chain stalls: every member below it is cut at once and each reports its
+    /// own source. Whatever order the reports come in, one member takes over and the chain
+    /// ends up fed by it: one more upstream fetch, not one per member.
+    #[test]
+    fn a_stalled_leaders_chain_reports_in_any_order_and_promotes_one() {
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        let later = t + Duration::from_secs(1);
+        let leads = |grants: &[String]| grants.iter().filter(|g| *g == "lead").count();
+
+        // 1 reports 0 first: it leads, and 2's report of it (it relayed nothing) is about
+        // the relay it was, so 2 follows it.
+        let leases = Leases::new(1);
+        storm(&leases, &d, 3, t);
+        let grants: Vec<String> = [("1", "0"), ("2", "1"), ("3", "2")]
+            .iter()
+            .map(|(me, failed)| src(leases.claim(&d, &peer(me), Some(failed), later)))
+            .collect();
+        assert_eq!(grants[..2], ["lead", "1"]);
+        assert_eq!(leads(&grants), 1, "{grants:?}");
+        assert_ne!(grants[2], "0", "{grants:?}");
+
+        // The other way round: 3 and 2 are first sent up the chain, find 0 stalled and report
+        // it; then they follow the member that took over, or one fed by it.
+        let leases = Leases::new(1);
+        storm(&leases, &d, 3, t);
+        let mut grants: Vec<String> = [("3", "2"), ("2", "1"), ("1", "0")]
+            .iter()
+            .map(|(me, failed)| src(leases.claim(&d, &peer(me), Some(failed), later)))
+            .collect();
+        assert_eq!(grants[2], "lead", "{grants:?}");
+        let again = [("3", "0"), ("2", "0")]
+            .map(|(me, failed)| src(leases.claim(&d, &peer(me), Some(failed), later)));
+        assert!(again.iter().all(|g| g != "0" && g != "lead"), "{again:?}");
+        grants.extend(again);
+        assert_eq!(leads(&grants), 1, "{grants:?}");
+
+        // Past the grace, a report against the new leader counts: it was its download.
+        let past = later + PROMOTED_GRACE;
+        assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), past)), "lead");
+    }
+
+    /// A member that re-attaches frees its slot at its old source: the tree never counts a
+    /// child twice, so a fanout-1 member whose child moved away can feed another.
+    #[test]
+    fn a_member_that_moves_frees_its_slot() {
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        let leases = Leases::new(1);
+        storm(&leases, &d, 3, t);
+        // 2 reports 1 and moves to 0; 1 comes back to its own source, 0.
+        assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), t)), "0");
+        assert_eq!(src(leases.claim(&d, &peer("1"), None, t)), "0");
+        // 1 feeds no one now: the shallowest end of a chain for a newcomer.
+        assert_eq!(src(leases.claim(&d, &peer("4"), None, t)), "1");
+        let table = leases.table.lock().unwrap();
+        let tree = &table[&d];
+        for (i, m) in tree.members.iter().enumerate() {
+            let live = tree
+                .members
+                .iter()
+                .filter(|c| c.alive && c.parent == Some(i))
+                .count();
+            assert_eq!(
+                m.children, live,
+                "member {} counts {} children",
+                m.peer.id, m.children
+            );
+        }
     }
 }

@@ -23,6 +23,7 @@ use crate::routing::{ContentRouting, Peer, rendezvous};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing, Scope};
 use axum::response::Response;
+use futures::StreamExt;
 pub use leases::Grant;
 use leases::{LEASE, Leases};
 use relay::Received;
@@ -67,6 +68,8 @@ struct Part {
     since: Instant,
     followers: HashMap<String, usize>,
     received: Option<Arc<Received>>,
+    /// The source this node's last transfer was cut from (stalled, died, sent it away).
+    cut: Option<Peer>,
 }
 
 impl Part {
@@ -216,10 +219,12 @@ impl Coalescer {
                 since: Instant::now(),
                 followers: HashMap::new(),
                 received: None,
+                cut: None,
             });
             part.role = role;
             part.leader = leader;
             part.since = Instant::now();
+            part.cut = None;
             drop(parts);
             self.roles.notify_waiters();
         }
@@ -365,8 +370,15 @@ impl Coalescer {
         }
     }
 
-    /// `response`, teed for this node's own followers.
-    pub fn relaying(&self, digest: &Digest, response: Response) -> Response {
+    /// `response` from `source`, teed for this node's own followers; a cut is noted for the
+    /// next claim ([`Coalescer::take_cut`]).
+    pub fn relaying(
+        self: &Arc<Self>,
+        digest: &Digest,
+        source: &Peer,
+        response: Response,
+    ) -> Response {
+        let response = self.noting_cut(digest, source, response);
         let Some(total) = relay::blob_total(&response) else {
             return response;
         };
@@ -374,6 +386,38 @@ impl Coalescer {
             Some(received) => relay::tee(response, &received),
             None => response,
         }
+    }
+
+    fn noting_cut(
+        self: &Arc<Self>,
+        digest: &Digest,
+        source: &Peer,
+        response: Response,
+    ) -> Response {
+        let (me, digest, source) = (self.clone(), digest.clone(), source.clone());
+        let (parts, body) = response.into_parts();
+        let body = body.into_data_stream().inspect(move |chunk| {
+            if chunk.is_err() {
+                me.cut(&digest, &source);
+            }
+        });
+        Response::from_parts(parts, axum::body::Body::from_stream(body))
+    }
+
+    fn cut(&self, digest: &Digest, source: &Peer) {
+        let mut parts = self.lock_parts();
+        if let Some(part) = parts.get_mut(digest)
+            && part.role == Role::Follow(source.clone())
+        {
+            part.cut = Some(source.clone());
+        }
+    }
+
+    /// The source this node's transfer of `digest` was cut from, if it still follows it: the
+    /// retry reports it at once rather than wait for it again (a stalled one for the follow
+    /// timeout).
+    pub fn take_cut(&self, digest: &Digest) -> Option<Peer> {
+        self.lock_parts().get_mut(digest)?.cut.take()
     }
 
     /// The window of `digest`'s bytes this node receives as a follower, made by whichever

@@ -172,7 +172,11 @@ async fn resolve_tag(
     }
 }
 
-/// A miss nobody holds: lead (a 404) or follow a download; a failed source is reported, once.
+/// Sources one request follows before it goes upstream: a stall down a chain costs a few
+/// (its own source, the stalled one above it, the new leader).
+const MAX_SOURCES: usize = 4;
+
+/// A miss nobody holds: lead (a 404) or follow a download; a failed source is reported.
 async fn follow(
     mirror: &Mirror,
     req: &Pull,
@@ -197,11 +201,14 @@ async fn follow(
         range,
     };
     let wait = coalesce.config().follow_timeout;
-    let mut failed = None;
-    for _ in 0..2 {
+    // A retry after a cut reports the source at once; then each failed source is reported in
+    // the next claim, so a node goes upstream only when the coordinator says it leads.
+    let mut failed = coalesce.take_cut(digest);
+    let mut tried = Vec::new();
+    for _ in 0..MAX_SOURCES {
         let source = match coalesce.decide(digest, failed.as_ref()).await {
-            Decision::Follow(source) => source,
-            Decision::Lead | Decision::Alone => return miss(),
+            Decision::Follow(source) if !tried.contains(&source.id) => source,
+            Decision::Follow(_) | Decision::Lead | Decision::Alone => return miss(),
         };
         let got = if kind == Kind::Blob {
             peers
@@ -216,7 +223,7 @@ async fn follow(
             Ok(response) => {
                 coalesce.count("follower", "served");
                 let response = if kind == Kind::Blob && !req.head {
-                    coalesce.relaying(digest, response)
+                    coalesce.relaying(digest, &source, response)
                 } else {
                     response
                 };
@@ -234,6 +241,7 @@ async fn follow(
             Err(why) => {
                 coalesce.count("follower", "failed");
                 tracing::info!(%digest, source = %source.id, %why, "the source gave nothing in time; reporting it");
+                tried.push(source.id.clone());
                 failed = Some(source);
             }
         }
@@ -371,8 +379,8 @@ async fn local(
 }
 
 /// The coalescer, for this node's containerd asking for an image shared with peers.
-fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a Coalescer> {
-    let coalesce = state.coalesce.as_deref()?;
+fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a Arc<Coalescer>> {
+    let coalesce = state.coalesce.as_ref()?;
     (shared(state, req, name) && !req.headers.contains_key(HOP_HEADER)).then_some(coalesce)
 }
 
