@@ -173,7 +173,8 @@ async fn resolve_tag(
 }
 
 /// Sources one request follows before it goes upstream: a stall down a chain costs a few
-/// (its own source, the stalled one above it, the new leader).
+/// (its own source, the stalled one above it, the new leader). No new one is tried after
+/// twice the follow timeout, the most two sources could cost before.
 const MAX_SOURCES: usize = 4;
 
 /// A miss nobody holds: lead (a 404) or follow a download; a failed source is reported.
@@ -205,7 +206,11 @@ async fn follow(
     // the next claim, so a node goes upstream only when the coordinator says it leads.
     let mut failed = coalesce.take_cut(digest);
     let mut tried = Vec::new();
+    let give_up = tokio::time::Instant::now() + wait * 2;
     for _ in 0..MAX_SOURCES {
+        if !tried.is_empty() && tokio::time::Instant::now() >= give_up {
+            break;
+        }
         let source = match coalesce.decide(digest, failed.as_ref()).await {
             Decision::Follow(source) if !tried.contains(&source.id) => source,
             Decision::Follow(_) | Decision::Lead | Decision::Alone => return miss(),
