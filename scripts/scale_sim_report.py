@@ -12,7 +12,7 @@ try:
 except (OSError, ValueError):
     old = []
 key = lambda r: (r.get("scenario", "start"), r.get("nodes"), r.get("digests_per_node"), r.get("seed"),
-                 r.get("latency_ms"))
+                 r.get("latency_ms"), r.get("loss", 0))
 fresh = {key(r) for r in new}
 everything = sorted([r for r in old if key(r) not in fresh] + new,
                     key=lambda r: (r.get("scenario", "start"), r["nodes"], r["digests_per_node"]))
@@ -43,6 +43,20 @@ if split:
     print("|" + "---|" * len(pcols))
     for r in split:
         print("| " + " | ".join(fmt(r.get(c[0], "")) for c in pcols) + " |")
+
+# Scenario (b), churn: lookups of the other nodes' keys while nodes restart, and how soon a
+# restarted node's keys are found.
+churn = [r for r in everything if r.get("scenario") == "churn"]
+ccols = [("nodes", "nodes"), ("digests_per_node", "digests"), ("churn_per_minute", "restarts/min"),
+         ("churn_restarts", "restarts"), ("churn_lookups", "lookups"), ("churn_lookups_not_found", "not found"),
+         ("churn_lookup_ms_p50", "lookup p50 ms"), ("churn_lookup_ms_p99", "p99 ms"),
+         ("churn_msgs_per_node_per_s", "msgs/node/s"), ("churn_findable_after_restart_s_max", "restarted findable s max"),
+         ("churn_restarted_never_findable", "never findable")]
+if churn:
+    print("| " + " | ".join(c[1] for c in ccols) + " |")
+    print("|" + "---|" * len(ccols))
+    for r in churn:
+        print("| " + " | ".join(fmt(r.get(c[0], "")) for c in ccols) + " |")
 
 # A small SVG without dependencies: lookup p50/p99 and not-found p50 against the node count.
 series = [("lookup_ms_p50", "#1f77b4"), ("lookup_ms_p99", "#ff7f0e"), ("notfound_ms_p50", "#2ca02c")]

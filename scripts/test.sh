@@ -61,6 +61,18 @@ assert p["partition_storm_decided_s_max"] < 5 and p["partition_storm_ended_befor
 assert p["partition_storm_claims_across_partition"] < 30, p
 print("a partition heals: one leader per digest, every lookup across finds")
 PY
+# Scenario (b): 20% of 30 nodes restarted a minute for 2 minutes. Every new node's keys are
+# found within seconds, and lookups of the other nodes' keys keep finding.
+./scripts/scale.sh --sim --nodes 30 --digests 1000 --seed 3 --scenario churn --churn-s 120 \
+    --churn-per-min 0.2 --out "$sim_runs/c" >/dev/null
+python3 - "$sim_runs" <<'PY'
+import json, sys
+c = json.load(open(f"{sys.argv[1]}/c/scale-sim.json"))[0]
+assert c["churn_restarts"] == 12 and c["churn_restarted_never_findable"] == 0, c
+assert c["churn_findable_after_restart_s_max"] < 5, c
+assert c["churn_lookups"] >= 1000 and c["churn_lookups_not_found"] < 0.02 * c["churn_lookups"], c
+print(f"churn: {c['churn_lookups_not_found']} of {c['churn_lookups']} lookups missed, restarted nodes found")
+PY
 rm -rf "$sim_runs"
 # The cluster tests again against containerd 1.7 and 2.x (Debian's trixie and sid packages,
 # fetched and verified into target/tools by scripts/containerd-versions.sh; the machine's own

@@ -5,15 +5,18 @@
 //! long the machine took.
 //!
 //! `cargo run --release -- [--nodes 30] [--digests 1000] [--seed 1] [--latency-ms 1]
-//! [--join-s 60] [--lookups 200] [--shared 0.8] [--interval-s 600]`: scenario (a), the start:
+//! [--join-s 60] [--lookups 200] [--shared 0.8] [--interval-s 600] [--loss 0]`: scenario (a),
+//! the start:
 //! N nodes join over `--join-s` and announce their digests (`--shared` of them every node's, the
 //! rest its own: the real-socket simulation's keys); then lookups of other nodes' own keys and
 //! of absent ones from random nodes, and the time until 20 keys of a node started last are
-//! found. Prints one JSON run.
+//! found. Prints one JSON run. `--scenario churn [--churn-s 120] [--churn-per-min 0.05]` is
+//! scenario (b) after the same start (`churn.rs`), `--scenario partition` is (d).
 //!
 //! The clock ticks in whole milliseconds (tokio's timer wheel): a byte written is delivered at
 //! the first tick `--latency-ms` after it, so links shorter than 1 ms are 1 ms links here.
 
+mod churn;
 mod entropy;
 mod heap;
 mod net;
@@ -24,7 +27,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry::metrics::{DHT_REQUEST_KINDS, DhtLabels, Metrics};
+use ferry::metrics::{
+    DHT_REQUEST_KINDS, DhtLabels, Metrics, OutcomeLabels, PROVIDER_WALK_OUTCOMES,
+};
 use ferry::ops::problems::Problems;
 use ferry::routing::ContentRouting;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
@@ -54,6 +59,8 @@ struct Options {
     shared: f64,
     /// Re-announcement interval.
     interval: Duration,
+    /// The share of writes that lose a segment (each then arrives 200 ms late).
+    loss: f64,
     /// Scenario (c): digests every node misses at once, the blob's size, the node links and
     /// the registry's, and `--relay-fanout`.
     storm_digests: usize,
@@ -61,9 +68,12 @@ struct Options {
     node_gbit: f64,
     upstream_gbit: f64,
     relay_fanout: usize,
-    /// `start` (scenarios a and c) or `partition` (d).
+    /// `start` (scenarios a and c), `churn` (b) or `partition` (d).
     scenario: String,
     partition: Duration,
+    /// Scenario (b): how long the churn lasts, and the share of nodes restarted a minute.
+    churn: Duration,
+    churn_per_min: f64,
 }
 
 fn options() -> Options {
@@ -88,6 +98,7 @@ fn options() -> Options {
         lookups: value("--lookups", "200").parse().expect("--lookups"),
         shared: value("--shared", "0.8").parse().expect("--shared"),
         interval: Duration::from_secs(value("--interval-s", "600").parse().expect("--interval-s")),
+        loss: value("--loss", "0").parse().expect("--loss"),
         storm_digests: value("--storm-digests", "10")
             .parse()
             .expect("--storm-digests"),
@@ -103,6 +114,10 @@ fn options() -> Options {
         partition: Duration::from_secs(
             value("--partition-s", "60").parse().expect("--partition-s"),
         ),
+        churn: Duration::from_secs(value("--churn-s", "120").parse().expect("--churn-s")),
+        churn_per_min: value("--churn-per-min", "0.05")
+            .parse()
+            .expect("--churn-per-min"),
     }
 }
 
@@ -154,6 +169,8 @@ fn own_key(i: usize, o: &Options, rng: &mut Rng) -> String {
 struct Node {
     router: P2pRouter,
     metrics: Arc<Metrics>,
+    /// Cancelled, the node's stack stops and its connections close (a crash or a restart).
+    token: CancellationToken,
 }
 
 struct Sim {
@@ -167,10 +184,15 @@ struct Sim {
 impl Sim {
     /// Starts node `i`, bootstrapping from `seeds`, with a key drawn from the seed.
     fn start(&self, i: usize, seeds: &[usize]) -> Node {
-        let data_dir = self.dir.path().join(format!("n{i}"));
+        self.start_as(i, i, seeds)
+    }
+
+    /// Starts identity `who` (its key drawn from the seed) at node `i`'s address.
+    fn start_as(&self, i: usize, who: usize, seeds: &[usize]) -> Node {
+        let data_dir = self.dir.path().join(format!("n{who}"));
         std::fs::create_dir_all(&data_dir).expect("data dir");
         let mut secret = [0u8; 32];
-        let mut rng = Rng(self.seed ^ (i as u64).wrapping_mul(0x1000_0000_01b3));
+        let mut rng = Rng(self.seed ^ (who as u64).wrapping_mul(0x1000_0000_01b3));
         for chunk in secret.chunks_mut(8) {
             chunk.copy_from_slice(&rng.next().to_le_bytes());
         }
@@ -203,16 +225,21 @@ impl Sim {
             .iter()
             .map(|&j| tcp_multiaddr(ip(j), P2P_PORT))
             .collect();
+        let token = self.token.child_token();
         let (router, _task) = P2pRouter::start(
             config,
             Arc::new(StaticBootstrap { addrs }),
             true,
             metrics.clone(),
             Arc::new(Problems::new(metrics.clone())),
-            self.token.clone(),
+            token.clone(),
         )
         .expect("router");
-        Node { router, metrics }
+        Node {
+            router,
+            metrics,
+            token,
+        }
     }
 }
 
@@ -234,14 +261,42 @@ fn requests_by_kind(nodes: &[Node]) -> Vec<u64> {
         .collect()
 }
 
+/// Lookups' provider walks so far, summed over the nodes, by outcome (`found`, `none`): walks,
+/// nodes asked and dials, as the real-socket simulation counts them.
+fn provider_walks(nodes: &[Node]) -> Vec<[u64; 3]> {
+    PROVIDER_WALK_OUTCOMES
+        .iter()
+        .map(|&outcome| {
+            let labels = OutcomeLabels { outcome };
+            let mut sums = [0u64; 3];
+            for n in nodes {
+                let m = &n.metrics;
+                let families = [
+                    &m.provider_walks,
+                    &m.provider_walk_requests,
+                    &m.provider_walk_dials,
+                ];
+                for (sum, family) in sums.iter_mut().zip(families) {
+                    *sum += family.get_or_create(&labels).get();
+                }
+            }
+            sums
+        })
+        .collect()
+}
+
 fn dht_requests(nodes: &[Node]) -> u64 {
     requests_by_kind(nodes).iter().sum()
 }
 
 /// Time to the first provider of `key` from `node`, or `None` when the walk ends with nobody.
 async fn first_provider(node: &Node, key: &str) -> (Duration, bool) {
+    provider_from(&node.router, key).await
+}
+
+async fn provider_from(router: &P2pRouter, key: &str) -> (Duration, bool) {
     let started = Instant::now();
-    let mut found = node.router.lookup(key).await;
+    let mut found = router.lookup(key).await;
     let hit = found.recv().await.is_some();
     (started.elapsed(), hit)
 }
@@ -307,6 +362,7 @@ fn run_fields(o: &Options) -> serde_json::Map<String, Value> {
         "seed": o.seed,
         "clock": "simulated",
         "latency_ms": o.latency.as_secs_f64() * 1000.0,
+        "loss": o.loss,
     }) else {
         unreachable!("a JSON object")
     };
@@ -317,7 +373,7 @@ async fn run(o: Options) -> serde_json::Value {
     let wall = std::time::Instant::now();
     let interval = o.interval;
     let sim = Sim {
-        net: net::SimNet::new(o.latency),
+        net: net::SimNet::new(o.latency, o.loss, o.seed),
         dir: tempfile::tempdir().expect("tempdir"),
         token: CancellationToken::new(),
         timing: ProvideTiming {
@@ -355,8 +411,12 @@ async fn run(o: Options) -> serde_json::Value {
         per_node(net::ends().0)
     );
 
-    if o.scenario == "partition" {
-        let fields = partition::run(&nodes, &o, &sim.net, &mut rng).await;
+    let fields = match o.scenario.as_str() {
+        "partition" => Some(partition::run(&nodes, &o, &sim.net, &mut rng).await),
+        "churn" => Some(churn::run(&sim, &mut nodes, &o, &mut rng).await),
+        _ => None,
+    };
+    if let Some(fields) = fields {
         sim.token.cancel();
         let mut report = run_fields(&o);
         report.insert("joined_s".into(), json!(joined_s));
@@ -367,7 +427,7 @@ async fn run(o: Options) -> serde_json::Value {
         }
         return Value::Object(report);
     }
-    assert_eq!(o.scenario, "start", "--scenario: start or partition");
+    assert_eq!(o.scenario, "start", "--scenario: start, churn or partition");
 
     // Steady state: requests over a window.
     let before = dht_requests(&nodes);
@@ -396,6 +456,7 @@ async fn run(o: Options) -> serde_json::Value {
         Value::Object(msgs_by_kind.clone())
     );
 
+    let walks_before = provider_walks(&nodes);
     let mut found_ms = Vec::new();
     let mut missed = 0;
     for _ in 0..o.lookups {
@@ -415,6 +476,13 @@ async fn run(o: Options) -> serde_json::Value {
         let key = format!("sha256:{:032x}{i:032x}", u64::MAX - 1);
         absent_ms.push(until_walk_ends(&nodes[asker], &key).await.as_secs_f64() * 1000.0);
     }
+    // A walk that found goes on in the background; it is counted when it ends.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let walks = provider_walks(&nodes);
+    let per_walk = |outcome: usize, field: usize| {
+        let delta = |i: usize| (walks[outcome][i] - walks_before[outcome][i]) as f64;
+        delta(field) / delta(0)
+    };
 
     // A node that joins now (a new identity, keys nobody else has): how long until 20 of
     // its keys are found from other nodes, asked one after another, 200 ms after a miss.
@@ -458,6 +526,10 @@ async fn run(o: Options) -> serde_json::Value {
         "lookup_ms_p99": percentile(&mut found_ms, 0.99),
         "lookups_missed": missed,
         "notfound_ms_p50": percentile(&mut absent_ms, 0.5),
+        "found_walk_requests": per_walk(0, 1),
+        "found_walk_dials": per_walk(0, 2),
+        "notfound_walk_requests": per_walk(1, 1),
+        "notfound_walk_dials": per_walk(1, 2),
         "announce_msgs_per_node_per_s": msgs,
         "announce_msgs_per_node_per_s_by_kind": msgs_by_kind,
         "first_round_msgs_per_node": first_round,

@@ -123,9 +123,13 @@ impl AsyncWrite for SimStream {
         _cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        // Across a partition TCP keeps resending: the bytes arrive once it heals.
+        // Across a partition TCP keeps resending: the bytes arrive once it heals. A lost
+        // segment arrives one retransmission timeout later, and what follows waits behind it.
         let latency = self.net.latency;
         let mut at = Instant::now() + latency;
+        if self.net.lost() {
+            at += RTO;
+        }
         if let Some(heals) = self.net.held_until(self.local, self.remote) {
             at = at.max(heals + latency);
         }
@@ -170,11 +174,19 @@ impl Drop for SimStream {
 /// A dialled connection as its listener receives it: the stream and the dialler's address.
 type Accepted = (SimStream, SocketAddr);
 
+/// Linux's least retransmission timeout: on links of a millisecond or two, every resend waits
+/// this long.
+const RTO: Duration = Duration::from_millis(200);
+
 /// The switchboard every node's transport shares.
 #[derive(Clone)]
 pub struct SimNet {
     inner: Arc<Mutex<Inner>>,
     latency: Duration,
+    /// The share of writes whose first segment is lost, and the draws' seed and count.
+    loss: f64,
+    seed: u64,
+    draws: Arc<std::sync::atomic::AtomicU64>,
 }
 
 struct Inner {
@@ -190,7 +202,7 @@ struct Split {
 }
 
 impl SimNet {
-    pub fn new(latency: Duration) -> SimNet {
+    pub fn new(latency: Duration, loss: f64, seed: u64) -> SimNet {
         SimNet {
             inner: Arc::new(Mutex::new(Inner {
                 listeners: HashMap::new(),
@@ -198,7 +210,20 @@ impl SimNet {
                 split: None,
             })),
             latency,
+            loss,
+            seed,
+            draws: Arc::default(),
         }
+    }
+
+    /// Whether this write loses a segment: a draw from the seed, in the order writes happen.
+    fn lost(&self) -> bool {
+        if self.loss <= 0.0 {
+            return false;
+        }
+        let n = self.draws.fetch_add(1, Ordering::Relaxed);
+        let draw = crate::Rng(self.seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).next();
+        (draw as f64 / u64::MAX as f64) < self.loss
     }
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
