@@ -22,9 +22,9 @@ const MAX_LEASES: usize = 100_000;
 pub(crate) const CHAIN_DEPTH: usize = 16;
 /// Members of one tree that may be sources; later claimants follow without becoming one.
 const MAX_MEMBERS: usize = 4_096;
-/// A report against a leader promoted this recently is about the relay it was before: its
-/// followers were cut when its own source stalled (a peer's idle timeout, 5 s by default),
-/// and its fresh download from upstream is not what failed.
+/// A report against a leader promoted this recently, from a follower attached to it before, is
+/// about the relay it was: that follower was cut when the leader's own source stalled (a peer's
+/// idle timeout, 5 s by default), and its fresh download from upstream is not what failed.
 pub(crate) const PROMOTED_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +50,8 @@ struct Tree {
 struct Member {
     peer: Peer,
     parent: Option<usize>,
+    /// When it was attached to `parent`.
+    since: Instant,
     depth: usize,
     children: usize,
     alive: bool,
@@ -96,10 +98,10 @@ impl Leases {
             && now.saturating_duration_since(tree.granted) < LEASE
         {
             if let Some(failed) = failed {
-                tree.failed(failed, now);
+                tree.failed(failed, &claimant.id, now);
             }
             if tree.members[tree.leader].alive {
-                return tree.attach(claimant, self.fanout, self.chain);
+                return tree.attach(claimant, self.fanout, self.chain, now);
             }
             // The leader was reported: the claimant leads, keeping its own followers.
             tree.promote(claimant, now);
@@ -134,7 +136,7 @@ impl Tree {
             granted: now,
             promoted: None,
             leader: 0,
-            members: vec![Member::new(leader.clone(), None, 0)],
+            members: vec![Member::new(leader.clone(), None, 0, now)],
         }
     }
 
@@ -143,15 +145,22 @@ impl Tree {
     }
 
     /// A member that could not be followed: no one is sent to it again.
-    fn failed(&mut self, id: &str, now: Instant) {
+    fn failed(&mut self, id: &str, claimant: &str, now: Instant) {
         let Some(i) = self.find(id) else { return };
-        let just_promoted = self
-            .promoted
-            .is_some_and(|t| now.saturating_duration_since(t) < PROMOTED_GRACE);
-        if i == self.leader && just_promoted {
+        if i == self.leader && self.about_the_relay_it_was(claimant, now) {
             return;
         }
         self.set_alive(i, false);
+    }
+
+    /// The leader was promoted under [`PROMOTED_GRACE`] ago, and `claimant` followed it before.
+    fn about_the_relay_it_was(&self, claimant: &str, now: Instant) -> bool {
+        let Some(promoted) = self.promoted else {
+            return false;
+        };
+        let follower = self.find(claimant).map(|c| &self.members[c]);
+        now.saturating_duration_since(promoted) < PROMOTED_GRACE
+            && follower.is_some_and(|f| f.parent == Some(self.leader) && f.since < promoted)
     }
 
     /// Keeps each parent's `children` the count of its live children.
@@ -170,15 +179,17 @@ impl Tree {
         }
     }
 
-    fn set_parent(&mut self, i: usize, parent: Option<usize>) {
+    fn set_parent(&mut self, i: usize, parent: Option<usize>, now: Instant) {
         let alive = self.members[i].alive;
         self.set_alive(i, false);
         self.members[i].parent = parent;
+        self.members[i].since = now;
         self.set_alive(i, alive);
     }
 
-    /// The claimant's live source, else a new one outside its own subtree.
-    fn attach(&mut self, claimant: &Peer, fanout: usize, chain: usize) -> Grant {
+    /// The claimant's live source while it has room for it, else a new one outside the
+    /// claimant's own subtree.
+    fn attach(&mut self, claimant: &Peer, fanout: usize, chain: usize, now: Instant) -> Grant {
         let me = self.find(&claimant.id);
         if me == Some(self.leader) {
             return Grant::Lead;
@@ -187,6 +198,7 @@ impl Tree {
             self.set_alive(me, true);
             if let Some(parent) = self.members[me].parent
                 && self.members[parent].alive
+                && (fanout == 0 || self.members[parent].children <= fanout)
             {
                 return self.follow(parent);
             }
@@ -199,12 +211,12 @@ impl Tree {
         let depth = self.members[source].depth + 1;
         match me {
             Some(me) => {
-                self.set_parent(me, Some(source));
+                self.set_parent(me, Some(source), now);
                 self.members[me].depth = depth;
             }
             None if self.members.len() < MAX_MEMBERS => {
                 self.members
-                    .push(Member::new(claimant.clone(), Some(source), depth));
+                    .push(Member::new(claimant.clone(), Some(source), depth, now));
                 self.members[source].children += 1;
             }
             // Not recorded: it follows without becoming a source.
@@ -262,11 +274,12 @@ impl Tree {
         let me = match self.find(&claimant.id) {
             Some(me) => me,
             None => {
-                self.members.push(Member::new(claimant.clone(), None, 0));
+                self.members
+                    .push(Member::new(claimant.clone(), None, 0, now));
                 self.members.len() - 1
             }
         };
-        self.set_parent(me, None);
+        self.set_parent(me, None, now);
         self.set_alive(me, true);
         self.members[me].depth = 0;
         self.leader = me;
@@ -276,10 +289,11 @@ impl Tree {
 }
 
 impl Member {
-    fn new(peer: Peer, parent: Option<usize>, depth: usize) -> Member {
+    fn new(peer: Peer, parent: Option<usize>, depth: usize, since: Instant) -> Member {
         Member {
             peer,
             parent,
+            since,
             depth,
             children: 0,
             alive: true,
@@ -441,52 +455,69 @@ mod tests {
         let d = Digest::sha256_of(b"layer");
         let t = Instant::now();
         let later = t + Duration::from_secs(1);
-        let leads = |grants: &[String]| grants.iter().filter(|g| *g == "lead").count();
+        let claims = |leases: &Leases, reports: &[(&str, &str)]| -> Vec<String> {
+            reports
+                .iter()
+                .map(|(me, failed)| src(leases.claim(&d, &peer(me), Some(failed), later)))
+                .collect()
+        };
 
-        // 1 reports 0 first: it leads, and 2's report of it (it relayed nothing) is about
-        // the relay it was, so 2 follows it.
+        // 1 reports 0 first and leads; 2's report of it (it relayed nothing) is about the relay
+        // it was, so 2 follows it; 3's report of 2 sends 3 to 1 too.
         let leases = Leases::new(1);
         storm(&leases, &d, 3, t);
-        let grants: Vec<String> = [("1", "0"), ("2", "1"), ("3", "2")]
-            .iter()
-            .map(|(me, failed)| src(leases.claim(&d, &peer(me), Some(failed), later)))
-            .collect();
-        assert_eq!(grants[..2], ["lead", "1"]);
-        assert_eq!(leads(&grants), 1, "{grants:?}");
-        assert_ne!(grants[2], "0", "{grants:?}");
+        assert_eq!(
+            claims(&leases, &[("1", "0"), ("2", "1"), ("3", "2")]),
+            ["lead", "1", "1"]
+        );
 
-        // The other way round: 3 and 2 are first sent up the chain, find 0 stalled and report
-        // it; then they follow the member that took over, or one fed by it.
+        // The other way round: 3 and 2 are first sent elsewhere, 1 takes over, and their next
+        // reports (of the stalled 0) send them to the new leader's chain, not to 0.
         let leases = Leases::new(1);
         storm(&leases, &d, 3, t);
-        let mut grants: Vec<String> = [("3", "2"), ("2", "1"), ("1", "0")]
-            .iter()
-            .map(|(me, failed)| src(leases.claim(&d, &peer(me), Some(failed), later)))
-            .collect();
-        assert_eq!(grants[2], "lead", "{grants:?}");
-        let again = [("3", "0"), ("2", "0")]
-            .map(|(me, failed)| src(leases.claim(&d, &peer(me), Some(failed), later)));
-        assert!(again.iter().all(|g| g != "0" && g != "lead"), "{again:?}");
-        grants.extend(again);
-        assert_eq!(leads(&grants), 1, "{grants:?}");
-
-        // Past the grace, a report against the new leader counts: it was its download.
-        let past = later + PROMOTED_GRACE;
-        assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), past)), "lead");
+        assert_eq!(
+            claims(&leases, &[("3", "2"), ("2", "1"), ("1", "0")]),
+            ["1", "0", "lead"]
+        );
+        assert_eq!(claims(&leases, &[("3", "0"), ("2", "0")]), ["1", "3"]);
     }
 
-    /// A member that re-attaches frees its slot at its old source: the tree never counts a
-    /// child twice, so a fanout-1 member whose child moved away can feed another.
+    /// The grace covers only the new leader's old followers, and only for a while: a follower
+    /// attached after the promotion, or any report past the grace, is about its download.
+    #[test]
+    fn a_new_leader_is_reported_by_its_new_followers_or_after_the_grace() {
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        let later = t + Duration::from_secs(1);
+        // A tree: 0 feeds 1 and 2, 1 feeds 3; 0 stalls and 1 takes over.
+        let promoted = || {
+            let leases = Leases::with_chain(2, 0);
+            storm(&leases, &d, 3, t);
+            assert_eq!(src(leases.claim(&d, &peer("1"), Some("0"), later)), "lead");
+            leases
+        };
+        let leases = promoted();
+        assert_eq!(src(leases.claim(&d, &peer("3"), Some("1"), later)), "1");
+        assert_eq!(src(leases.claim(&d, &peer("4"), None, later)), "1");
+        assert_eq!(src(leases.claim(&d, &peer("4"), Some("1"), later)), "lead");
+
+        let leases = promoted();
+        let past = later + PROMOTED_GRACE;
+        assert_eq!(src(leases.claim(&d, &peer("3"), Some("1"), past)), "lead");
+    }
+
+    /// A member that re-attaches frees its slot at its old source, and one that comes back to
+    /// a source that gave its slot away goes elsewhere: no member feeds more than the fanout,
+    /// and each counts exactly its live children.
     #[test]
     fn a_member_that_moves_frees_its_slot() {
         let d = Digest::sha256_of(b"layer");
         let t = Instant::now();
         let leases = Leases::new(1);
         storm(&leases, &d, 3, t);
-        // 2 reports 1 and moves to 0; 1 comes back to its own source, 0.
+        // 2 reports 1 and moves to 0; 1 comes back, finds 0 full and goes to the chain's end.
         assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), t)), "0");
-        assert_eq!(src(leases.claim(&d, &peer("1"), None, t)), "0");
-        // 1 feeds no one now: the shallowest end of a chain for a newcomer.
+        assert_eq!(src(leases.claim(&d, &peer("1"), None, t)), "3");
         assert_eq!(src(leases.claim(&d, &peer("4"), None, t)), "1");
         let table = leases.table.lock().unwrap();
         let tree = &table[&d];
@@ -501,6 +532,7 @@ mod tests {
                 "member {} counts {} children",
                 m.peer.id, m.children
             );
+            assert!(live <= 1, "member {} feeds {live}", m.peer.id);
         }
     }
 }

@@ -40,6 +40,9 @@ const WINDOW_STALE: Duration = Duration::from_secs(120);
 /// grow the table without end; past it, the oldest part without followers goes.
 const MAX_PARTS: usize = 4_096;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// containerd asks again at once after a cut; a cut older than this was followed by a pull
+/// served another way, and its source may be fine by now.
+const CUT_FRESH: Duration = Duration::from_secs(10);
 /// Downloads on this node written longer ago than this were left by failed ones: not shared.
 const SHARE_FRESH: Duration = Duration::from_secs(30);
 
@@ -68,8 +71,8 @@ struct Part {
     since: Instant,
     followers: HashMap<String, usize>,
     received: Option<Arc<Received>>,
-    /// The source this node's last transfer was cut from (stalled, died, sent it away).
-    cut: Option<Peer>,
+    /// The source this node's last transfer was cut from (stalled, died, sent it away), and when.
+    cut: Option<(Peer, Instant)>,
 }
 
 impl Part {
@@ -409,7 +412,7 @@ impl Coalescer {
         if let Some(part) = parts.get_mut(digest)
             && part.role == Role::Follow(source.clone())
         {
-            part.cut = Some(source.clone());
+            part.cut = Some((source.clone(), Instant::now()));
         }
     }
 
@@ -417,7 +420,8 @@ impl Coalescer {
     /// retry reports it at once rather than wait for it again (a stalled one for the follow
     /// timeout).
     pub fn take_cut(&self, digest: &Digest) -> Option<Peer> {
-        self.lock_parts().get_mut(digest)?.cut.take()
+        let (source, at) = self.lock_parts().get_mut(digest)?.cut.take()?;
+        (at.elapsed() < CUT_FRESH).then_some(source)
     }
 
     /// The window of `digest`'s bytes this node receives as a follower, made by whichever

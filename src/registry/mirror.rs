@@ -173,8 +173,8 @@ async fn resolve_tag(
 }
 
 /// Sources one request follows before it goes upstream: a stall down a chain costs a few
-/// (its own source, the stalled one above it, the new leader). No new one is tried after
-/// twice the follow timeout, the most two sources could cost before.
+/// (its own source, the stalled one above it, the new leader). All of them together wait at
+/// most twice the follow timeout, what two sources could cost before.
 const MAX_SOURCES: usize = 4;
 
 /// A miss nobody holds: lead (a 404) or follow a download; a failed source is reported.
@@ -208,7 +208,8 @@ async fn follow(
     let mut tried = Vec::new();
     let give_up = tokio::time::Instant::now() + wait * 2;
     for _ in 0..MAX_SOURCES {
-        if !tried.is_empty() && tokio::time::Instant::now() >= give_up {
+        let wait = wait.min(give_up.saturating_duration_since(tokio::time::Instant::now()));
+        if wait.is_zero() {
             break;
         }
         let source = match coalesce.decide(digest, failed.as_ref()).await {
@@ -251,6 +252,9 @@ async fn follow(
             }
         }
     }
+    // Out of sources or time: the last one is reported too, so no one else is sent to it; this
+    // node goes upstream whatever the answer (as the leader, if it is made one).
+    coalesce.decide(digest, failed.as_ref()).await;
     miss()
 }
 
