@@ -5,7 +5,6 @@
 //! running node of a key of a node never restarted, and for each new node the time until 20
 //! of its keys are found from other nodes.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use ferry::routing::ContentRouting;
@@ -31,7 +30,7 @@ pub async fn run(sim: &Sim, nodes: &mut [Node], o: &Options, rng: &mut Rng) -> V
     let requests = |nodes: &[Node], retired: &[Node]| dht_requests(nodes) + dht_requests(retired);
     let before = requests(nodes, &retired);
     let begun = Instant::now();
-    let (mut restarted, mut down) = (HashSet::new(), Vec::<(Instant, usize)>::new());
+    let mut down = Vec::<(Instant, usize)>::new();
     let (mut lookups, mut findable): (Vec<JoinHandle<_>>, Vec<JoinHandle<_>>) = (vec![], vec![]);
     // Who restarts, drawn up front: a new node's keys are asked for from nodes that stay up.
     let mut victims: Vec<usize> = Vec::new();
@@ -52,7 +51,6 @@ pub async fn run(sim: &Sim, nodes: &mut [Node], o: &Options, rng: &mut Rng) -> V
         if started < victims.len() && now >= begun + every * started as u32 {
             let i = victims[started];
             nodes[i].token.cancel();
-            restarted.insert(i);
             down.push((now + DOWN, i));
             started += 1;
         }
@@ -81,7 +79,7 @@ pub async fn run(sim: &Sim, nodes: &mut [Node], o: &Options, rng: &mut Rng) -> V
             let a = askers[rng.below(askers.len())];
             // Not its own key: a node is never its own provider.
             let owners: Vec<usize> = (0..n)
-                .filter(|&i| i != a && !restarted.contains(&i))
+                .filter(|&i| i != a && !victims[..started].contains(&i))
                 .collect();
             fresh_asker.push(born[a].is_some_and(|b| now.duration_since(b) < FRESH));
             let asker = nodes[a].router.clone();

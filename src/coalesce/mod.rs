@@ -410,7 +410,7 @@ impl Coalescer {
     fn cut(&self, digest: &Digest, source: &Peer) {
         let mut parts = self.lock_parts();
         if let Some(part) = parts.get_mut(digest)
-            && part.role == Role::Follow(source.clone())
+            && matches!(&part.role, Role::Follow(s) if s == source)
         {
             part.cut = Some((source.clone(), Instant::now()));
         }

@@ -165,6 +165,17 @@ async fn a_dead_leader_that_coordinated_is_replaced_at_the_next_coordinator() {
     assert_eq!(second, Decision::Follow(nodes[others[0]].router.local()));
 }
 
+/// Every node claims `digest`; the last that follows, with its source.
+async fn a_follower(nodes: &[Arc<Coalescer>], digest: &Digest) -> (Arc<Coalescer>, Peer) {
+    let mut follower = None;
+    for node in nodes {
+        if let Decision::Follow(source) = node.decide(digest, None).await {
+            follower = Some((node.clone(), source));
+        }
+    }
+    follower.expect("a follower")
+}
+
 /// A relay's own follower often asks before the relay's answer from its source has come (the
 /// coordinator answers both at once): it must still get the window, not containerd's writes.
 #[tokio::test]
@@ -174,13 +185,7 @@ async fn a_follower_asking_before_its_relays_answer_reads_the_same_window() {
 
     let (nodes, _claims) = cluster(3);
     let d = Digest::sha256_of(b"a layer relayed before its answer came");
-    let mut relay = None;
-    for node in &nodes {
-        if let Decision::Follow(source) = node.decide(&d, None).await {
-            relay = Some((node.clone(), source));
-        }
-    }
-    let (relay, source) = relay.expect("a follower");
+    let (relay, source) = a_follower(&nodes, &d).await;
     let total = 3 << 20;
     // The follower asks first: the window is made for the blob's size.
     let asked = relay.window(&d, total).expect("a follower has a window");
@@ -217,13 +222,7 @@ async fn a_cut_transfer_names_its_source_for_the_next_claim_once() {
 
     let (nodes, _claims) = cluster(3);
     let d = Digest::sha256_of(b"a layer whose source stalls");
-    let mut follower = None;
-    for node in &nodes {
-        if let Decision::Follow(source) = node.decide(&d, None).await {
-            follower = Some((node.clone(), source));
-        }
-    }
-    let (follower, source) = follower.expect("a follower");
+    let (follower, source) = a_follower(&nodes, &d).await;
     let answer = |chunks: Vec<std::io::Result<bytes::Bytes>>| {
         axum::http::Response::builder()
             .status(200)
