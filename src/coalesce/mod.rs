@@ -23,7 +23,6 @@ use crate::routing::{ContentRouting, Peer, rendezvous};
 use crate::store::ContentStore;
 use crate::store::downloads::{self, Landing, Scope};
 use axum::response::Response;
-use futures::StreamExt;
 pub use leases::Grant;
 use leases::{LEASE, Leases};
 use relay::Received;
@@ -40,9 +39,6 @@ const WINDOW_STALE: Duration = Duration::from_secs(120);
 /// grow the table without end; past it, the oldest part without followers goes.
 const MAX_PARTS: usize = 4_096;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-/// containerd asks again at once after a cut; a cut older than this was followed by a pull
-/// served another way, and its source may be fine by now.
-const CUT_FRESH: Duration = Duration::from_secs(10);
 /// Downloads on this node written longer ago than this were left by failed ones: not shared.
 const SHARE_FRESH: Duration = Duration::from_secs(30);
 
@@ -71,8 +67,6 @@ struct Part {
     since: Instant,
     followers: HashMap<String, usize>,
     received: Option<Arc<Received>>,
-    /// The source this node's last transfer was cut from (stalled, died, sent it away), and when.
-    cut: Option<(Peer, Instant)>,
 }
 
 impl Part {
@@ -222,12 +216,10 @@ impl Coalescer {
                 since: Instant::now(),
                 followers: HashMap::new(),
                 received: None,
-                cut: None,
             });
             part.role = role;
             part.leader = leader;
             part.since = Instant::now();
-            part.cut = None;
             drop(parts);
             self.roles.notify_waiters();
         }
@@ -373,15 +365,8 @@ impl Coalescer {
         }
     }
 
-    /// `response` from `source`, teed for this node's own followers; a cut is noted for the
-    /// next claim ([`Coalescer::take_cut`]).
-    pub fn relaying(
-        self: &Arc<Self>,
-        digest: &Digest,
-        source: &Peer,
-        response: Response,
-    ) -> Response {
-        let response = self.noting_cut(digest, source, response);
+    /// `response`, teed for this node's own followers.
+    pub fn relaying(&self, digest: &Digest, response: Response) -> Response {
         let Some(total) = relay::blob_total(&response) else {
             return response;
         };
@@ -389,39 +374,6 @@ impl Coalescer {
             Some(received) => relay::tee(response, &received),
             None => response,
         }
-    }
-
-    fn noting_cut(
-        self: &Arc<Self>,
-        digest: &Digest,
-        source: &Peer,
-        response: Response,
-    ) -> Response {
-        let (me, digest, source) = (self.clone(), digest.clone(), source.clone());
-        let (parts, body) = response.into_parts();
-        let body = body.into_data_stream().inspect(move |chunk| {
-            if chunk.is_err() {
-                me.cut(&digest, &source);
-            }
-        });
-        Response::from_parts(parts, axum::body::Body::from_stream(body))
-    }
-
-    fn cut(&self, digest: &Digest, source: &Peer) {
-        let mut parts = self.lock_parts();
-        if let Some(part) = parts.get_mut(digest)
-            && matches!(&part.role, Role::Follow(s) if s == source)
-        {
-            part.cut = Some((source.clone(), Instant::now()));
-        }
-    }
-
-    /// The source this node's transfer of `digest` was cut from, if it still follows it: the
-    /// retry reports it at once rather than wait for it again (a stalled one for the follow
-    /// timeout).
-    pub fn take_cut(&self, digest: &Digest) -> Option<Peer> {
-        let (source, at) = self.lock_parts().get_mut(digest)?.cut.take()?;
-        (at.elapsed() < CUT_FRESH).then_some(source)
     }
 
     /// The window of `digest`'s bytes this node receives as a follower, made by whichever

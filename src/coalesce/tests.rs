@@ -185,7 +185,7 @@ async fn a_follower_asking_before_its_relays_answer_reads_the_same_window() {
 
     let (nodes, _claims) = cluster(3);
     let d = Digest::sha256_of(b"a layer relayed before its answer came");
-    let (relay, source) = a_follower(&nodes, &d).await;
+    let (relay, _source) = a_follower(&nodes, &d).await;
     let total = 3 << 20;
     // The follower asks first: the window is made for the blob's size.
     let asked = relay.window(&d, total).expect("a follower has a window");
@@ -196,7 +196,7 @@ async fn a_follower_asking_before_its_relays_answer_reads_the_same_window() {
         .header(axum::http::header::CONTENT_LENGTH, total)
         .body(Body::from(body))
         .unwrap();
-    let teed = relay.relaying(&d, &source, answer);
+    let teed = relay.relaying(&d, answer);
     let mut stream = teed.into_body().into_data_stream();
     while let Some(chunk) = stream.next().await {
         chunk.unwrap();
@@ -211,39 +211,4 @@ async fn a_follower_asking_before_its_relays_answer_reads_the_same_window() {
         relay.window(&d, total + 1).is_none(),
         "another size is not this blob"
     );
-}
-
-/// A transfer cut mid-body (its source stalled, died or sent it away) is reported by the
-/// retry's first claim rather than waited for again; a transfer that ends whole is not.
-#[tokio::test]
-async fn a_cut_transfer_names_its_source_for_the_next_claim_once() {
-    use axum::body::Body;
-    use futures::StreamExt;
-
-    let (nodes, _claims) = cluster(3);
-    let d = Digest::sha256_of(b"a layer whose source stalls");
-    let (follower, source) = a_follower(&nodes, &d).await;
-    let answer = |chunks: Vec<std::io::Result<bytes::Bytes>>| {
-        axum::http::Response::builder()
-            .status(200)
-            .header(axum::http::header::CONTENT_LENGTH, 8)
-            .body(Body::from_stream(futures::stream::iter(chunks)))
-            .unwrap()
-    };
-    let drain = |response: Response| async move {
-        let mut stream = response.into_body().into_data_stream();
-        while stream.next().await.is_some() {}
-    };
-
-    let whole = answer(vec![Ok("8 bytes!".into())]);
-    drain(follower.relaying(&d, &source, whole)).await;
-    assert_eq!(follower.take_cut(&d), None, "a whole transfer is no cut");
-
-    let cut = answer(vec![
-        Ok("4 by".into()),
-        Err(std::io::Error::other("stalled")),
-    ]);
-    drain(follower.relaying(&d, &source, cut)).await;
-    assert_eq!(follower.take_cut(&d), Some(source));
-    assert_eq!(follower.take_cut(&d), None, "reported once");
 }

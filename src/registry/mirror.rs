@@ -202,9 +202,10 @@ async fn follow(
         range,
     };
     let wait = coalesce.config().follow_timeout;
-    // A retry after a cut reports the source at once; then each failed source is reported in
-    // the next claim, so a node goes upstream only when the coordinator says it leads.
-    let mut failed = coalesce.take_cut(digest);
+    // Each failed source is reported in the next claim, so a node goes upstream only when the
+    // coordinator says it leads. A source that cut the last transfer is asked again first: a
+    // leader whose download paused is still the leader.
+    let mut failed = None;
     let mut tried = Vec::new();
     let give_up = tokio::time::Instant::now() + wait * 2;
     for _ in 0..MAX_SOURCES {
@@ -229,7 +230,7 @@ async fn follow(
             Ok(response) => {
                 coalesce.count("follower", "served");
                 let response = if kind == Kind::Blob && !req.head {
-                    coalesce.relaying(digest, &source, response)
+                    coalesce.relaying(digest, response)
                 } else {
                     response
                 };
@@ -388,8 +389,8 @@ async fn local(
 }
 
 /// The coalescer, for this node's containerd asking for an image shared with peers.
-fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a Arc<Coalescer>> {
-    let coalesce = state.coalesce.as_ref()?;
+fn coalescing<'a>(state: &'a MirrorState, req: &Pull, name: &str) -> Option<&'a Coalescer> {
+    let coalesce = state.coalesce.as_deref()?;
     (shared(state, req, name) && !req.headers.contains_key(HOP_HEADER)).then_some(coalesce)
 }
 
