@@ -538,9 +538,11 @@ async fn many_keys_are_announced_in_one_batch_per_node_and_all_found() {
     }
 }
 
-/// More nodes than a key's 20 provider slots all hold one key: its storing nodes are full, the
-/// nodes left out rest the key for a round or two instead of sending it every round, and the
-/// key (and every node's own key) stays findable from every node through rounds and expiries.
+/// More nodes than a key's 20 provider slots all hold the same keys (a base image's layers):
+/// their storing nodes are full, the nodes left out rest the keys for a round or two instead of
+/// sending them every round, and the keys (and every node's own key) stay findable from every
+/// node through rounds and expiries. A storing node's answer names hundreds of refused keys,
+/// and every answer arrives (one over 1 KiB once failed, and the refusals in it were lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
     let tmp = tempfile::tempdir().unwrap();
@@ -552,13 +554,16 @@ async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
         ..TIMING
     };
     let nodes = cluster_with(tmp.path(), 12, timing).await;
-    let shared = "sha256:5555555555555555555555555555555555555555555555555555555555555555";
+    // 1,000 shared keys: a batch to a storing node carries about 330, most of them refused.
+    let shared_keys: Vec<String> = (0..1_000)
+        .map(|j| format!("sha256:{:064x}", 0x5555_0000 + j))
+        .collect();
+    let shared = shared_keys[0].as_str();
     let own = |i: usize| format!("sha256:{i:064x}");
     for (i, n) in nodes.iter().enumerate() {
-        n.router
-            .advertise(vec![shared.to_string(), own(i)])
-            .await
-            .unwrap();
+        let mut keys = shared_keys.clone();
+        keys.push(own(i));
+        n.router.advertise(keys).await.unwrap();
     }
     let rested = || -> u64 {
         nodes
@@ -588,6 +593,11 @@ async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
         .await;
     }
     assert!(rested() > 0);
+    let failed = OutcomeLabels { outcome: "failed" };
+    let failed: u64 = (nodes.iter())
+        .map(|n| n.metrics.announce_batches.get_or_create(&failed).get())
+        .sum();
+    assert_eq!(failed, 0, "batches not delivered (or their answers lost)");
     for n in nodes {
         stop(n).await;
     }

@@ -21,6 +21,8 @@ pub(super) const IDENTIFY_PROTOCOL: &str = "/ferry/id/1.0.0";
 pub(super) const PROVIDE_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/provide/1.0.0");
 /// 1,000 keys of at most 512 bytes, JSON-escaped.
 const PROVIDE_REQUEST_MAX: u64 = 1_200_000;
+/// An answer naming every key of a full batch as refused: 1,000 positions of up to 4 bytes.
+const PROVIDE_ACK_MAX: u64 = 8 * 1024;
 const AGENT_PREFIX: &str = "ferry/";
 const PEER_ADDR_MARK: &str = " peer-addr=";
 
@@ -96,7 +98,7 @@ impl Behaviour {
         let provide = request_response::json::Behaviour::with_codec(
             request_response::json::codec::Codec::default()
                 .set_request_size_maximum(PROVIDE_REQUEST_MAX)
-                .set_response_size_maximum(1024),
+                .set_response_size_maximum(PROVIDE_ACK_MAX),
             [(PROVIDE_PROTOCOL, request_response::ProtocolSupport::Full)],
             request_response::Config::default().with_request_timeout(QUERY_TIMEOUT),
         );
