@@ -285,6 +285,26 @@ fn provider_walks(nodes: &[Node]) -> Vec<[u64; 3]> {
         .collect()
 }
 
+/// The announcers' walks so far (converged or timed out), summed over the nodes.
+fn announce_walks(nodes: &[Node]) -> u64 {
+    let outcomes = ferry::metrics::WALK_OUTCOMES;
+    let labels = outcomes.map(|outcome| OutcomeLabels { outcome });
+    let walks = |n: &Node| -> u64 {
+        let family = &n.metrics.announce_walks;
+        labels.iter().map(|l| family.get_or_create(l).get()).sum()
+    };
+    nodes.iter().map(walks).sum()
+}
+
+/// The announcers' batches so far, summed over the nodes: delivered, failed.
+fn announce_batches(nodes: &[Node]) -> [u64; 2] {
+    ferry::metrics::BATCH_OUTCOMES.map(|outcome| {
+        let labels = OutcomeLabels { outcome };
+        let batches = |n: &Node| n.metrics.announce_batches.get_or_create(&labels).get();
+        nodes.iter().map(batches).sum()
+    })
+}
+
 fn dht_requests(nodes: &[Node]) -> u64 {
     requests_by_kind(nodes).iter().sum()
 }
@@ -432,6 +452,7 @@ async fn run(o: Options) -> serde_json::Value {
     // Steady state: requests over a window.
     let before = dht_requests(&nodes);
     let before_kinds = requests_by_kind(&nodes);
+    let walks_before_window = announce_walks(&nodes);
     let window = interval * 2;
     tokio::time::sleep(window).await;
     // What a node holds between rollouts, before the lookups and the storm open connections.
@@ -443,6 +464,9 @@ async fn run(o: Options) -> serde_json::Value {
         wall.elapsed().as_secs_f64(),
     );
     let msgs = (dht_requests(&nodes) - before) as f64 / o.nodes as f64 / window.as_secs_f64();
+    let announce_walk_rate = (announce_walks(&nodes) - walks_before_window) as f64
+        / o.nodes as f64
+        / window.as_secs_f64();
     let msgs_by_kind: serde_json::Map<String, Value> = DHT_REQUEST_KINDS
         .iter()
         .zip(requests_by_kind(&nodes).iter().zip(&before_kinds))
@@ -532,6 +556,8 @@ async fn run(o: Options) -> serde_json::Value {
         "notfound_walk_dials": per_walk(1, 2),
         "announce_msgs_per_node_per_s": msgs,
         "announce_msgs_per_node_per_s_by_kind": msgs_by_kind,
+        "announce_walks_per_node_per_s": announce_walk_rate,
+        "announce_batches_per_node": announce_batches(&nodes).map(|b| b as f64 / (o.nodes + 1) as f64),
         "first_round_msgs_per_node": first_round,
         "shared_fraction": o.shared,
         "interval_s": o.interval.as_secs(),

@@ -28,6 +28,9 @@ use tokio::time::{Instant, Sleep};
 #[derive(Default)]
 struct Pipe {
     queue: VecDeque<(Instant, Vec<u8>)>,
+    /// How much of the front chunk was read: a large write read in small pieces is not moved
+    /// down once a read (that made reading it quadratic).
+    read: usize,
     closed: bool,
     reader: Option<Waker>,
 }
@@ -105,12 +108,16 @@ impl AsyncRead for SimStream {
                 self.wait = Some(Box::pin(tokio::time::sleep_until(at)));
                 continue;
             }
-            let (_, chunk) = pipe.queue.front_mut().expect("front");
-            let n = chunk.len().min(buf.len());
-            buf[..n].copy_from_slice(&chunk[..n]);
-            chunk.drain(..n);
-            if chunk.is_empty() {
+            let read = pipe.read;
+            let (_, chunk) = pipe.queue.front().expect("front");
+            let rest = &chunk[read..];
+            let n = rest.len().min(buf.len());
+            buf[..n].copy_from_slice(&rest[..n]);
+            if n == rest.len() {
                 pipe.queue.pop_front();
+                pipe.read = 0;
+            } else {
+                pipe.read += n;
             }
             return Poll::Ready(Ok(n));
         }
@@ -125,6 +132,10 @@ impl AsyncWrite for SimStream {
     ) -> Poll<io::Result<usize>> {
         // Across a partition TCP keeps resending: the bytes arrive once it heals. A lost
         // segment arrives one retransmission timeout later, and what follows waits behind it.
+        if buf.is_empty() {
+            // Queued, it would read as the end of the stream.
+            return Poll::Ready(Ok(0));
+        }
         let latency = self.net.latency;
         let mut at = Instant::now() + latency;
         if self.net.lost() {
