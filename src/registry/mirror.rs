@@ -4,6 +4,7 @@
 //! Invariant: a request with the hop header is never forwarded, so requests travel one hop.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -173,9 +174,12 @@ async fn resolve_tag(
 }
 
 /// Sources one request follows before it goes upstream: a stall down a chain costs a few
-/// (its own source, the stalled one above it, the new leader). All of them together wait at
-/// most twice the follow timeout, what two sources could cost before.
+/// (its own source, the stalled one above it, the new leader). Together they wait about
+/// twice the follow timeout, what two sources could cost before.
 const MAX_SOURCES: usize = 4;
+/// What a source named after that budget is still given: one that has the blob answers in
+/// milliseconds, and going upstream instead is a fetch behind the coordinator's back.
+const LAST_CHANCE: Duration = Duration::from_secs(1);
 
 /// A miss nobody holds: lead (a 404) or follow a download; a failed source is reported.
 async fn follow(
@@ -204,18 +208,16 @@ async fn follow(
     let wait = coalesce.config().follow_timeout;
     // Each failed source is reported in the next claim, so a node goes upstream only when the
     // coordinator says it leads. A source that cut the last transfer is asked again first: a
-    // leader whose download paused is still the leader.
+    // leader whose download paused is still the leader. A source that failed once may be named
+    // again, and is followed: a relay that was not progressing can be the new leader since.
     let mut failed = None;
-    let mut tried = Vec::new();
     let give_up = tokio::time::Instant::now() + wait * 2;
     for _ in 0..MAX_SOURCES {
-        let wait = wait.min(give_up.saturating_duration_since(tokio::time::Instant::now()));
-        if wait.is_zero() {
-            break;
-        }
+        let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+        let wait = wait.min(left.max(LAST_CHANCE));
         let source = match coalesce.decide(digest, failed.as_ref()).await {
-            Decision::Follow(source) if !tried.contains(&source.id) => source,
-            Decision::Follow(_) | Decision::Lead | Decision::Alone => return miss(),
+            Decision::Follow(source) => source,
+            Decision::Lead | Decision::Alone => return miss(),
         };
         let got = if kind == Kind::Blob {
             peers
@@ -248,13 +250,12 @@ async fn follow(
             Err(why) => {
                 coalesce.count("follower", "failed");
                 tracing::info!(%digest, source = %source.id, %why, "the source gave nothing in time; reporting it");
-                tried.push(source.id.clone());
                 failed = Some(source);
             }
         }
     }
-    // Out of sources or time: the last one is reported too, so no one else is sent to it; this
-    // node goes upstream whatever the answer (as the leader, if it is made one).
+    // Out of sources: the last one is reported too, so no one else is sent to it; this node
+    // goes upstream whatever the answer (as the leader, if it is made one).
     coalesce.decide(digest, failed.as_ref()).await;
     miss()
 }
