@@ -20,6 +20,8 @@ use ferry::routing::p2p::{
 };
 use ferry::routing::{ContentRouting, Peer};
 use ferry::trust::ClusterSecret;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -598,6 +600,54 @@ async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
         .map(|n| n.metrics.announce_batches.get_or_create(&failed).get())
         .sum();
     assert_eq!(failed, 0, "batches not delivered (or their answers lost)");
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) -> u64 {
+    family.get_or_create(&OutcomeLabels { outcome }).get()
+}
+
+/// A round of many keys on a network larger than a key's slots plans most regions from one
+/// nearby node's answer (a hop) instead of a Kademlia walk each, and every key is found where
+/// lookups look: on its closest nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_hops_from_region_to_region_and_every_key_is_found() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Each key on 2 nodes (Ferry: 20), so 16 nodes hold 8 times a key's slots: regions are
+    // small, as at 160 nodes with 20.
+    let timing = ProvideTiming {
+        replicas: 2,
+        ttl: Duration::from_secs(60),
+        interval: Duration::from_secs(30),
+    };
+    let nodes = cluster_with(tmp.path(), 16, timing).await;
+    let keys: Vec<String> = (0..2_000).map(|i| format!("sha256:{i:064x}")).collect();
+    nodes[0].router.advertise(keys.clone()).await.unwrap();
+    eventually("the round is planned", || {
+        let pending = nodes[0].metrics.announcements_pending.get();
+        async move { pending == 0 }
+    })
+    .await;
+    let m = &nodes[0].metrics;
+    let planned = count(&m.announce_hops, "planned");
+    let walks = count(&m.announce_walks, "converged") + count(&m.announce_walks, "timed_out");
+    eprintln!("{planned} regions planned by a hop, {walks} walks");
+    assert!(
+        planned > walks,
+        "{planned} regions planned by a hop, {walks} walks"
+    );
+    for (i, key) in keys.iter().enumerate().step_by(40) {
+        let asker = &nodes[1 + i % 15];
+        eventually("a key found from another node", || async {
+            providers(&asker.router, key)
+                .await
+                .iter()
+                .any(|p| p.addr == nodes[0].http)
+        })
+        .await;
+    }
     for n in nodes {
         stop(n).await;
     }

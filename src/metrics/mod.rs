@@ -136,6 +136,8 @@ pub struct DhtLabels {
 /// Every outcome `ferry_announce_walks_total` and `ferry_announce_batches_total` count.
 pub const WALK_OUTCOMES: [&str; 2] = ["converged", "timed_out"];
 pub const BATCH_OUTCOMES: [&str; 2] = ["delivered", "failed"];
+/// Every outcome `ferry_announce_hops_total` counts.
+pub const HOP_OUTCOMES: [&str; 2] = ["planned", "walked"];
 
 /// Every outcome `ferry_provider_walks_total` counts.
 pub const PROVIDER_WALK_OUTCOMES: [&str; 2] = ["found", "none"];
@@ -181,6 +183,7 @@ pub struct Metrics {
     pub announce_rounds_early: Counter,
     pub announce_walks: Family<OutcomeLabels, Counter>,
     pub announce_batches: Family<OutcomeLabels, Counter>,
+    pub announce_hops: Family<OutcomeLabels, Counter>,
     pub lookups: Family<LookupLabels, Counter>,
     pub containerd_up: Gauge,
     pub hosts_config_written: Gauge,
@@ -250,6 +253,7 @@ impl Metrics {
         let announce_rounds_early = Counter::default();
         let announce_walks = Family::<OutcomeLabels, Counter>::default();
         let announce_batches = Family::<OutcomeLabels, Counter>::default();
+        let announce_hops = Family::<OutcomeLabels, Counter>::default();
         let lookups = Family::<LookupLabels, Counter>::default();
         let containerd_up = Gauge::default();
         let hosts_config_written = Gauge::default();
@@ -362,6 +366,11 @@ impl Metrics {
             "announce_batches",
             "Batches of provider records sent to the nodes that store them, by outcome: delivered, or failed (not answered: the key's other nodes hold its records)",
             announce_batches.clone(),
+        );
+        registry.register(
+            "announce_hops",
+            "Announcement regions by how they were planned: planned (from the answer of a node near the region, a request or two instead of a walk of about 30) or walked (no answer stood for the region within 3 hops: a walk of its own)",
+            announce_hops.clone(),
         );
         registry.register(
             "store_lookups",
@@ -500,6 +509,9 @@ impl Metrics {
         for outcome in BATCH_OUTCOMES {
             let _ = announce_batches.get_or_create(&OutcomeLabels { outcome });
         }
+        for outcome in HOP_OUTCOMES {
+            let _ = announce_hops.get_or_create(&OutcomeLabels { outcome });
+        }
         registry.register(
             "follow_wait_seconds",
             "Time a follower waited for its leader's first byte",
@@ -541,6 +553,7 @@ impl Metrics {
             announce_rounds_early,
             announce_walks,
             announce_batches,
+            announce_hops,
             lookups,
             containerd_up,
             hosts_config_written,

@@ -21,20 +21,33 @@ pub(crate) const MAX_KEY_LEN: usize = 512;
 pub(crate) const MAX_ADDRESSES: usize = 8;
 
 /// "I provide these keys; reach me here". The provider is the authenticated sender, never a
-/// field of the request.
+/// field of the request. `closest_to` asks for the receiver's nodes nearest a key as well
+/// (`sweep.rs`); older Ferrys ignore it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct ProvideBatch {
     pub keys: Vec<String>,
     pub addrs: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub closest_to: Option<String>,
 }
 
-/// How many records the receiver stored, and which keys (positions in the request) it refused
-/// as already full without the sender (`rest.rs`); `full` is absent from older Ferrys.
+/// How many records the receiver stored, which keys (positions in the request) it refused
+/// as already full without the sender (`rest.rs`), and the nodes asked for; `full` and
+/// `closest` are absent from older Ferrys.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct ProvideAck {
     pub stored: u32,
     #[serde(default)]
     pub full: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub closest: Vec<WirePeer>,
+}
+
+/// A node and where to reach it, as a Kademlia answer names it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct WirePeer {
+    pub id: String,
+    pub addrs: Vec<String>,
 }
 
 pub(crate) fn key_hash(key: &str) -> Hash {
@@ -52,7 +65,7 @@ pub(crate) fn to_hash(bytes: &[u8]) -> Hash {
 }
 
 /// How many leading bits `a` and `b` share (256 when equal).
-fn common_prefix(a: &Hash, b: &Hash) -> u32 {
+pub(super) fn common_prefix(a: &Hash, b: &Hash) -> u32 {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         let diff = x ^ y;
         if diff != 0 {
@@ -62,7 +75,7 @@ fn common_prefix(a: &Hash, b: &Hash) -> u32 {
     256
 }
 
-fn xor(a: &Hash, b: &Hash) -> Hash {
+pub(super) fn xor(a: &Hash, b: &Hash) -> Hash {
     let mut d = [0u8; 32];
     for (i, out) in d.iter_mut().enumerate() {
         *out = a[i] ^ b[i];
@@ -112,6 +125,16 @@ impl Pending {
         self.keys.get(at).cloned()
     }
 
+    /// The first key after `at`, else the first.
+    pub(super) fn after(&self, at: &Hash) -> Option<Hash> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        self.keys
+            .range((Excluded(*at), Unbounded))
+            .next()
+            .or_else(|| self.keys.iter().next())
+            .map(|(h, _)| *h)
+    }
+
     /// The first key at or after `at`, else the first.
     pub(super) fn pick(&self, at: Hash) -> Option<Hash> {
         self.keys
@@ -123,20 +146,22 @@ impl Pending {
 
     /// A walk to `target` found `found` (this node excluded; `whole_network` when it found
     /// fewer than asked). Takes the keys it covers out of the queue, each to its `replicas`
-    /// closest found nodes. A walk that found nobody decides nothing.
+    /// closest found nodes, and says where the covered region ends (`None` when it covered
+    /// every key or none). A walk that found nobody decides nothing.
     pub(super) fn plan(
         &mut self,
         target: &Hash,
         found: &[PeerId],
         whole_network: bool,
         replicas: usize,
-    ) -> HashMap<PeerId, Vec<Arc<str>>> {
+    ) -> (HashMap<PeerId, Vec<Arc<str>>>, Option<Hash>) {
         // Shared, not copied once per storing node (10,000 keys would be 20 MB).
         let mut out: HashMap<PeerId, Vec<Arc<str>>> = HashMap::new();
         let peers: Vec<(PeerId, Hash)> = found.iter().map(|p| (*p, peer_hash(p))).collect();
         if peers.is_empty() {
-            return out;
+            return (out, None);
         }
+        let mut end = None;
         let covered: Vec<Hash> = if whole_network {
             // The walk saw every node: every key is decided.
             self.keys.keys().copied().collect()
@@ -152,6 +177,7 @@ impl Pending {
                 subtree_end(target, bits, false),
                 subtree_end(target, bits, true),
             );
+            end = Some(hi);
             self.keys.range(lo..=hi).map(|(h, _)| *h).collect()
         };
         for h in covered {
@@ -166,7 +192,7 @@ impl Pending {
                 out.entry(peer).or_default().push(key.clone());
             }
         }
-        out
+        (out, end)
     }
 }
 
@@ -206,7 +232,8 @@ mod tests {
         let mut pending = Pending::default();
         keys(500).into_iter().for_each(|k| pending.insert(k));
         let target = pending.pick([0; 32]).unwrap();
-        let plan = pending.plan(&target, &nodes, true, 20);
+        let (plan, end) = pending.plan(&target, &nodes, true, 20);
+        assert_eq!(end, None);
         assert!(pending.is_empty());
         assert_eq!(plan.len(), 3);
         assert!(plan.values().all(|keys| keys.len() == 500));
@@ -229,7 +256,7 @@ mod tests {
             walks += 1;
             let key = pending.keys[&target].clone();
             let found = closest(&all, &key, 20);
-            let plan = pending.plan(&target, &found, false, 20);
+            let (plan, _) = pending.plan(&target, &found, false, 20);
             requests += plan.len();
             for (peer, keys) in plan {
                 for k in keys {
@@ -265,7 +292,7 @@ mod tests {
         let mut pending = Pending::default();
         keys(10).into_iter().for_each(|k| pending.insert(k));
         let target = pending.pick([0; 32]).unwrap();
-        assert!(pending.plan(&target, &[], true, 20).is_empty());
+        assert!(pending.plan(&target, &[], true, 20).0.is_empty());
         assert_eq!(pending.len(), 10);
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use libp2p::kad::store::RecordStore;
-use libp2p::kad::{PeerInfo, ProviderRecord, QueryId, RecordKey};
+use libp2p::kad::{KBucketKey, PeerInfo, ProviderRecord, QueryId, RecordKey};
 use libp2p::request_response::{self, OutboundRequestId};
 use libp2p::{Multiaddr, PeerId, Swarm};
 use prometheus_client::metrics::counter::Counter;
@@ -14,16 +14,17 @@ use prometheus_client::metrics::family::Family;
 
 use super::announce_plan::{
     Hash, MAX_ADDRESSES, MAX_KEY_LEN, MAX_KEYS_PER_BATCH, Pending, ProvideAck, ProvideBatch,
-    peer_hash, to_hash,
+    WirePeer, peer_hash, to_hash,
 };
 use super::behaviour::{Behaviour, ProvideTiming};
 use super::draws::Draws;
 use super::growth::{Growth, network_size};
 use super::rest::Resting;
+use super::sweep::{Hop, MAX_ANSWER};
 use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 
-/// Enough to cover a round's regions quickly, few enough that a start-up round never floods
-/// the neighbours.
+/// Walks and hops: enough to cover a round's regions quickly, few enough that a start-up round
+/// never floods the neighbours.
 const MAX_WALKS_IN_FLIGHT: usize = 4;
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
 /// A walk that found nobody is retried after this long, not in a busy loop.
@@ -48,6 +49,8 @@ pub(crate) struct Announcer {
     outbox: HashMap<PeerId, Outgoing>,
     /// Batch requests in flight, with their keys (an answer names refused ones by position).
     batches: HashMap<OutboundRequestId, Vec<Arc<str>>>,
+    /// Hops in flight (`sweep.rs`): the node asked and what is known near the target.
+    hops: HashMap<OutboundRequestId, (PeerId, Hop)>,
     resting: Resting,
     /// The next round, 75-100% of the interval away (drawn per round): nodes started together
     /// drift apart, and records are renewed before their TTL runs out.
@@ -69,6 +72,7 @@ impl Announcer {
             walks: HashMap::new(),
             outbox: HashMap::new(),
             batches: HashMap::new(),
+            hops: HashMap::new(),
             resting: Resting::new(timing.replicas),
             next_round,
             random,
@@ -158,6 +162,7 @@ impl Announcer {
     fn idle(&self) -> bool {
         self.pending.is_empty()
             && self.walks.is_empty()
+            && self.hops.is_empty()
             && self.outbox.is_empty()
             && self.batches.is_empty()
     }
@@ -165,7 +170,7 @@ impl Announcer {
     pub(super) fn progress(&mut self, swarm: &mut Swarm<Behaviour>) {
         let backing_off = self.walk_after.is_some_and(|t| Instant::now() < t);
         if swarm.connected_peers().next().is_some() && !backing_off {
-            while self.walks.len() < MAX_WALKS_IN_FLIGHT && !self.start_walk(swarm) {}
+            while self.in_flight() < MAX_WALKS_IN_FLIGHT && !self.start_walk(swarm) {}
         }
         self.send_batches(swarm);
         // The round's last answer: the network it placed the records in.
@@ -175,9 +180,17 @@ impl Announcer {
         self.update_gauge();
     }
 
+    fn in_flight(&self) -> usize {
+        self.walks.len() + self.hops.len()
+    }
+
+    fn walking(&self, target: &Hash) -> bool {
+        self.walks.values().any(|t| t == target)
+            || self.hops.values().any(|(_, h)| &h.target == target)
+    }
+
     /// Starts one walk; true when there is nothing (more) to start.
     fn start_walk(&mut self, swarm: &mut Swarm<Behaviour>) -> bool {
-        let walking: HashSet<&Hash> = self.walks.values().collect();
         // Random, so walks started together spread.
         let mut at = [0u8; 32];
         at[..8].copy_from_slice(&self.random.hash_one(self.draws).to_be_bytes());
@@ -185,18 +198,107 @@ impl Announcer {
         let Some(target) = self.pending.pick(at) else {
             return true;
         };
-        if walking.contains(&target) {
+        if self.walking(&target) {
             return true;
         }
+        // A table that small is most of the network: one walk plans every key.
+        let table: usize = (swarm.behaviour_mut().kad.kbuckets())
+            .map(|b| b.num_entries())
+            .sum();
+        if table < 2 * self.timing.replicas {
+            return !self.walk(swarm, target);
+        }
+        self.hop_to(swarm, target, Vec::new());
+        false
+    }
+
+    /// A Kademlia walk to `target`; false when its key is no longer waiting.
+    fn walk(&mut self, swarm: &mut Swarm<Behaviour>, target: Hash) -> bool {
         let Some(key) = self.pending.key(&target) else {
-            return true;
+            return false;
         };
         let id = swarm
             .behaviour_mut()
             .kad
             .get_closest_peers(key.as_bytes().to_vec());
         self.walks.insert(id, target);
-        false
+        true
+    }
+
+    /// After a region ending at `end`, the next waiting key's region: its nearest known node
+    /// is asked (`sweep.rs`), unless another walk or hop has it.
+    fn sweep_on(
+        &mut self,
+        swarm: &mut Swarm<Behaviour>,
+        end: Option<Hash>,
+        known: Vec<(PeerId, Vec<Multiaddr>)>,
+    ) {
+        let Some(next) = end.and_then(|end| self.pending.after(&end)) else {
+            return;
+        };
+        if !self.walking(&next) {
+            self.hop_to(swarm, next, known);
+        }
+    }
+
+    /// Hops to `target` from what is `known` near it and this node's own table.
+    fn hop_to(
+        &mut self,
+        swarm: &mut Swarm<Behaviour>,
+        target: Hash,
+        known: Vec<(PeerId, Vec<Multiaddr>)>,
+    ) {
+        let Some(key) = self.pending.key(&target) else {
+            return;
+        };
+        let local = *swarm.local_peer_id();
+        let near = KBucketKey::new(RecordKey::new(&key));
+        let table: Vec<(PeerId, Vec<Multiaddr>)> = (swarm.behaviour_mut().kad)
+            .find_closest_local_peers(&near, &local)
+            .map(|p| (p.node_id, p.multiaddrs))
+            .collect();
+        self.hop(swarm, Hop::new(target, known.into_iter().chain(table)));
+    }
+
+    /// Asks `hop`'s next node, or walks when it has asked enough.
+    fn hop(&mut self, swarm: &mut Swarm<Behaviour>, mut hop: Hop) {
+        // Planned meanwhile by another walk's region.
+        let Some(key) = self.pending.key(&hop.target) else {
+            return;
+        };
+        let Some((peer, dial)) = hop.next() else {
+            count(&self.metrics.announce_hops, "walked");
+            self.walk(swarm, hop.target);
+            return;
+        };
+        let request = ProvideBatch {
+            keys: Vec::new(),
+            addrs: own_addrs(swarm),
+            closest_to: Some(key),
+        };
+        let id = swarm
+            .behaviour_mut()
+            .provide
+            .send_request_with_addresses(&peer, request, dial);
+        self.hops.insert(id, (peer, hop));
+    }
+
+    /// `peer` answered a hop with `closest`: the region is planned, or the next node asked.
+    fn on_hop(
+        &mut self,
+        swarm: &mut Swarm<Behaviour>,
+        peer: PeerId,
+        mut hop: Hop,
+        closest: &[WirePeer],
+    ) {
+        hop.answered(peer, closest);
+        let Some(found) = hop.found(self.timing.replicas) else {
+            self.hop(swarm, hop);
+            return;
+        };
+        count(&self.metrics.announce_hops, "planned");
+        let end = self.take_plan(hop.target, found.clone(), false);
+        self.sweep_on(swarm, end, found);
     }
 
     /// A closest-peers query ended (`complete`: converged); false when it was not ours.
@@ -217,12 +319,28 @@ impl Announcer {
         }
         // Fewer than asked from a converged walk means there are no others; a timed-out walk
         // says nothing of the rest (else every waiting key would go to the few it reached).
-        let replicas = self.timing.replicas;
-        let whole_network = complete && found.len() < replicas;
-        let ids: Vec<PeerId> = found.iter().map(|p| p.peer_id).collect();
-        let plan = self.pending.plan(&target, &ids, whole_network, replicas);
-        let mut addrs: HashMap<PeerId, Vec<Multiaddr>> =
+        let whole_network = complete && found.len() < self.timing.replicas;
+        let found: Vec<(PeerId, Vec<Multiaddr>)> =
             found.into_iter().map(|p| (p.peer_id, p.addrs)).collect();
+        let end = self.take_plan(target, found.clone(), whole_network);
+        // A walk that timed out says too little of its neighbourhood to hop on from.
+        if complete {
+            self.sweep_on(swarm, end, found);
+        }
+        self.progress(swarm);
+        true
+    }
+
+    /// Plans the keys `found` covers around `target` into the outbox; where the region ends.
+    fn take_plan(
+        &mut self,
+        target: Hash,
+        found: Vec<(PeerId, Vec<Multiaddr>)>,
+        whole_network: bool,
+    ) -> Option<Hash> {
+        let ids: Vec<PeerId> = found.iter().map(|(p, _)| *p).collect();
+        let (plan, end) = (self.pending).plan(&target, &ids, whole_network, self.timing.replicas);
+        let mut addrs: HashMap<PeerId, Vec<Multiaddr>> = found.into_iter().collect();
         for (peer, keys) in plan {
             let out = self.outbox.entry(peer).or_default();
             out.keys.extend(keys);
@@ -232,19 +350,15 @@ impl Announcer {
                 out.addrs = a;
             }
         }
-        self.progress(swarm);
-        true
+        end
     }
 
     /// Sends each node its batch once the round's walks are done (one request per node per
     /// round), or as soon as a full batch is ready.
     fn send_batches(&mut self, swarm: &mut Swarm<Behaviour>) {
-        let round_planned = self.walks.is_empty() && self.pending.is_empty();
-        let addrs: Vec<String> = swarm
-            .external_addresses()
-            .take(MAX_ADDRESSES)
-            .map(|a| a.to_string())
-            .collect();
+        let round_planned =
+            self.walks.is_empty() && self.hops.is_empty() && self.pending.is_empty();
+        let addrs = own_addrs(swarm);
         while self.batches.len() < MAX_BATCHES_IN_FLIGHT {
             let Some(peer) = self
                 .outbox
@@ -267,6 +381,7 @@ impl Announcer {
             let request = ProvideBatch {
                 keys,
                 addrs: addrs.clone(),
+                closest_to: None,
             };
             let id = swarm
                 .behaviour_mut()
@@ -286,13 +401,20 @@ impl Announcer {
                     },
                 ..
             } => {
+                // A hop asks what a Kademlia walk's request asks.
+                let kind = match request.keys.is_empty() && request.closest_to.is_some() {
+                    true => "find_node",
+                    false => "provide_batch",
+                };
                 self.metrics
                     .dht_requests
-                    .get_or_create(&DhtLabels {
-                        kind: "provide_batch",
-                    })
+                    .get_or_create(&DhtLabels { kind })
                     .inc();
-                let ack = self.store_batch(swarm, peer, request);
+                let closest_to = request.closest_to.clone();
+                let mut ack = self.store_batch(swarm, peer, request);
+                if let Some(key) = closest_to {
+                    ack.closest = closest(swarm, &peer, &key);
+                }
                 // The asker may have given up.
                 let _ = swarm.behaviour_mut().provide.send_response(channel, ack);
             }
@@ -304,6 +426,11 @@ impl Announcer {
                     },
                 ..
             } => {
+                if let Some((asked, hop)) = self.hops.remove(&request_id) {
+                    self.on_hop(swarm, asked, hop, &response.closest);
+                    self.progress(swarm);
+                    return;
+                }
                 count(&self.metrics.announce_batches, "delivered");
                 if let Some(sent) = self.batches.remove(&request_id) {
                     // Positions out of range (a confused peer) name nothing.
@@ -319,6 +446,11 @@ impl Announcer {
                 error,
                 ..
             } => {
+                if let Some((_, hop)) = self.hops.remove(&request_id) {
+                    self.hop(swarm, hop);
+                    self.progress(swarm);
+                    return;
+                }
                 // The other replicas hold these keys; this node's next round tries again.
                 tracing::debug!(%peer, %error, "a batch of provider records was not delivered");
                 count(&self.metrics.announce_batches, "failed");
@@ -343,6 +475,7 @@ impl Announcer {
         let mut ack = ProvideAck {
             stored: 0,
             full: Vec::new(),
+            closest: Vec::new(),
         };
         if batch.keys.len() > MAX_KEYS_PER_BATCH
             || batch.addrs.len() > MAX_ADDRESSES
@@ -365,6 +498,32 @@ impl Announcer {
         let n = self.pending.len() + planned + sending;
         self.metrics.announcements_pending.set(n as i64);
     }
+}
+
+/// This node's addresses, as a batch names them.
+fn own_addrs(swarm: &Swarm<Behaviour>) -> Vec<String> {
+    (swarm.external_addresses())
+        .take(MAX_ADDRESSES)
+        .map(|a| a.to_string())
+        .collect()
+}
+
+/// This node's nodes nearest `key`, not `asker`: a Kademlia answer, asked for by a hop.
+fn closest(swarm: &mut Swarm<Behaviour>, asker: &PeerId, key: &str) -> Vec<WirePeer> {
+    if key.len() > MAX_KEY_LEN {
+        return Vec::new();
+    }
+    let near = KBucketKey::new(RecordKey::new(&key));
+    (swarm.behaviour_mut().kad)
+        .find_closest_local_peers(&near, asker)
+        .take(MAX_ANSWER)
+        .map(|p| WirePeer {
+            id: p.node_id.to_string(),
+            addrs: (p.multiaddrs.iter().take(MAX_ADDRESSES))
+                .map(|a| a.to_string())
+                .collect(),
+        })
+        .collect()
 }
 
 fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) {

@@ -21,8 +21,9 @@ pub(super) const IDENTIFY_PROTOCOL: &str = "/ferry/id/1.0.0";
 pub(super) const PROVIDE_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/provide/1.0.0");
 /// 1,000 keys of at most 512 bytes, JSON-escaped.
 const PROVIDE_REQUEST_MAX: u64 = 1_200_000;
-/// An answer naming every key of a full batch as refused: 1,000 positions of up to 4 bytes.
-const PROVIDE_ACK_MAX: u64 = 8 * 1024;
+/// An answer naming every key of a full batch as refused (1,000 positions of up to 4 bytes),
+/// or a hop's 20 nodes with up to 8 addresses each.
+const PROVIDE_ACK_MAX: u64 = 32 * 1024;
 const AGENT_PREFIX: &str = "ferry/";
 const PEER_ADDR_MARK: &str = " peer-addr=";
 

@@ -20,6 +20,7 @@ mod peer_addrs;
 mod per_ip;
 mod rest;
 mod store;
+mod sweep;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;

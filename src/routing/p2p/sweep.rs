@@ -1,0 +1,278 @@
+//! The announcer's next region in one hop: after a region is planned, the known node nearest
+//! the next one is asked for its closest nodes, instead of a Kademlia walk of about 30 requests
+//! (docs/design/announce-sweep.md).
+//!
+//! Invariant: an answer stands for a region only when a node that gave one shares as many
+//! leading bits with the target as the farthest of the nodes chosen: then the region's nodes
+//! fill buckets of its own that are not full, so it knows them all. Otherwise the next hop,
+//! and after `MAX_HOPS` a walk.
+
+use std::collections::{HashMap, HashSet};
+
+use libp2p::{Multiaddr, PeerId};
+
+use super::announce_plan::{Hash, MAX_ADDRESSES, WirePeer, common_prefix, peer_hash, xor};
+
+/// Hops before the region gets a walk of its own.
+pub(super) const MAX_HOPS: usize = 3;
+/// Nodes an answer names at most: Kademlia's k.
+pub(super) const MAX_ANSWER: usize = 20;
+
+/// What the announcer knows of the nodes near one target while it hops.
+#[derive(Debug)]
+pub(super) struct Hop {
+    pub target: Hash,
+    known: HashMap<PeerId, Vec<Multiaddr>>,
+    asked: HashSet<PeerId>,
+    /// Nodes that answered with nodes of their own.
+    answered: HashSet<PeerId>,
+}
+
+impl Hop {
+    pub(super) fn new(
+        target: Hash,
+        known: impl IntoIterator<Item = (PeerId, Vec<Multiaddr>)>,
+    ) -> Hop {
+        let mut hop = Hop {
+            target,
+            known: HashMap::new(),
+            asked: HashSet::new(),
+            answered: HashSet::new(),
+        };
+        hop.learn(known);
+        hop
+    }
+
+    fn learn(&mut self, peers: impl IntoIterator<Item = (PeerId, Vec<Multiaddr>)>) {
+        for (peer, addrs) in peers {
+            let known = self.known.entry(peer).or_default();
+            if known.is_empty() {
+                *known = addrs;
+            }
+        }
+    }
+
+    /// The next node to ask and where to reach it: the nearest known one not asked yet, or
+    /// `None` after `MAX_HOPS`.
+    pub(super) fn next(&mut self) -> Option<(PeerId, Vec<Multiaddr>)> {
+        if self.asked.len() >= MAX_HOPS {
+            return None;
+        }
+        let peer = (self.known.keys())
+            .filter(|p| !self.asked.contains(*p))
+            .min_by_key(|p| xor(&self.target, &peer_hash(p)))
+            .copied()?;
+        self.asked.insert(peer);
+        Some((peer, self.known[&peer].clone()))
+    }
+
+    /// `from` named `peers` (an older Ferry names none).
+    pub(super) fn answered(&mut self, from: PeerId, peers: &[WirePeer]) {
+        let parsed: Vec<(PeerId, Vec<Multiaddr>)> = (peers.iter().take(MAX_ANSWER))
+            .filter_map(|p| {
+                let id: PeerId = p.id.parse().ok()?;
+                let addrs = (p.addrs.iter().take(MAX_ADDRESSES))
+                    .filter_map(|a| a.parse().ok())
+                    .collect();
+                Some((id, addrs))
+            })
+            .collect();
+        if !parsed.is_empty() {
+            self.answered.insert(from);
+        }
+        self.learn(parsed);
+    }
+
+    /// The `replicas` nearest known nodes, when they stand for the region they cover: a node
+    /// that answered is as near the target as the farthest of them.
+    pub(super) fn found(&self, replicas: usize) -> Option<Vec<(PeerId, Vec<Multiaddr>)>> {
+        let mut near: Vec<(Hash, PeerId)> = (self.known.keys())
+            .map(|p| (xor(&self.target, &peer_hash(p)), *p))
+            .collect();
+        if near.len() < replicas {
+            return None;
+        }
+        near.sort_unstable();
+        near.truncate(replicas);
+        let least = (near.iter())
+            .map(|(_, p)| common_prefix(&self.target, &peer_hash(p)))
+            .min()?;
+        let inside =
+            (self.answered.iter()).any(|p| common_prefix(&self.target, &peer_hash(p)) >= least);
+        inside.then(|| {
+            near.into_iter()
+                .map(|(_, p)| (p, self.known[&p].clone()))
+                .collect()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::announce_plan::Pending;
+    use super::*;
+
+    fn wire(peers: &[PeerId]) -> Vec<WirePeer> {
+        peers
+            .iter()
+            .map(|p| WirePeer {
+                id: p.to_string(),
+                addrs: vec!["/ip4/10.0.0.1/tcp/5482".into()],
+            })
+            .collect()
+    }
+
+    /// The `k` of `all` nearest `target`.
+    fn nearest(all: &[PeerId], target: &Hash, k: usize) -> Vec<PeerId> {
+        let mut v: Vec<(Hash, PeerId)> = all
+            .iter()
+            .map(|p| (xor(target, &peer_hash(p)), *p))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().take(k).map(|(_, p)| p).collect()
+    }
+
+    /// Kademlia's routing table of a node at `me`: at most 20 nodes a bucket, the first heard of.
+    fn table(me: &Hash, heard: impl Iterator<Item = PeerId>) -> Vec<PeerId> {
+        let mut per_bucket = [0usize; 257];
+        heard
+            .filter(|p| {
+                let h = peer_hash(p);
+                let bucket = &mut per_bucket[common_prefix(me, &h) as usize];
+                *bucket += 1;
+                h != *me && *bucket <= 20
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_sweep_asks_a_node_or_two_a_region_and_records_land_where_kademlia_puts_them() {
+        let all: Vec<PeerId> = (0..1_000).map(|_| PeerId::random()).collect();
+        // Each node heard of the others in an order of its own.
+        let tables: HashMap<PeerId, Vec<PeerId>> = (all.iter().enumerate())
+            .map(|(i, p)| {
+                let heard = all.iter().cycle().skip(i * 7).take(all.len()).copied();
+                (*p, table(&peer_hash(p), heard))
+            })
+            .collect();
+        let me = PeerId::random();
+        let my_table = table(&peer_hash(&me), all.iter().copied());
+        let keys: Vec<String> = (0..10_000).map(|i| format!("sha256:{i:064x}")).collect();
+        let mut pending = Pending::default();
+        keys.iter().cloned().for_each(|k| pending.insert(k));
+        let (mut walks, mut asked, mut regions) = (0, 0, 0);
+        let mut stored: HashMap<String, Vec<PeerId>> = HashMap::new();
+        let mut place = |pending: &mut Pending, target: &Hash, found: &[PeerId]| {
+            let (plan, end) = pending.plan(target, found, false, 20);
+            for (peer, keys) in plan {
+                for k in keys {
+                    stored.entry(k.to_string()).or_default().push(peer);
+                }
+            }
+            end
+        };
+        let mut start = pending.pick([0x5a; 32]);
+        let mut found: Vec<PeerId> = Vec::new();
+        // Hops from this node's table, then from each region to the next.
+        while let Some(next) = start {
+            {
+                regions += 1;
+                let near_me = nearest(&my_table, &next, 20);
+                let mut hop = Hop::new(next, found.iter().chain(&near_me).map(|p| (*p, vec![])));
+                found = loop {
+                    let Some((node, _)) = hop.next() else {
+                        walks += 1;
+                        break nearest(&all, &next, 20);
+                    };
+                    asked += 1;
+                    hop.answered(node, &wire(&nearest(&tables[&node], &next, 20)));
+                    if let Some(f) = hop.found(20) {
+                        break f.into_iter().map(|(p, _)| p).collect();
+                    }
+                };
+                let end = place(&mut pending, &next, &found);
+                start = end.and_then(|e| pending.after(&e));
+            }
+        }
+        let per_region = asked as f64 / regions as f64;
+        eprintln!("{walks} walks, {regions} regions, {per_region:.2} nodes asked a region");
+        assert!(walks < 5, "{walks} walks for 10,000 keys on 1,000 nodes");
+        assert!(per_region < 2.0, "{per_region:.2} nodes asked a region");
+        // As a walk per region places them (`announce_plan.rs`): every key on 20 nodes,
+        // mostly the closest; checked for every fifth key.
+        assert!(keys.iter().all(|k| stored[k].len() == 20));
+        let (mut exact, mut checked) = (0, 0);
+        for k in keys.iter().step_by(5) {
+            let truth = nearest(&all, &super::super::announce_plan::key_hash(k), 20);
+            let hits = stored[k].iter().filter(|p| truth.contains(p)).count();
+            assert!(hits >= 4, "{k}: only {hits} of 20 on the closest nodes");
+            exact += hits;
+            checked += 1;
+        }
+        let share = exact as f64 / (20.0 * checked as f64);
+        eprintln!("{share:.3} of the records on the closest nodes");
+        assert!(
+            share > 0.8,
+            "{share:.3} of the records on the closest nodes"
+        );
+    }
+
+    #[test]
+    fn an_answer_from_inside_the_region_stands_for_it() {
+        let all: Vec<PeerId> = (0..200).map(|_| PeerId::random()).collect();
+        let target = [0x42u8; 32];
+        let truth = nearest(&all, &target, 20);
+        // Known: nodes far from the target, and the nearest one.
+        let far = all.iter().filter(|p| !truth.contains(p)).take(5);
+        let mut hop = Hop::new(target, far.chain([&truth[0]]).map(|p| (*p, vec![])));
+        let (asked, _) = hop.next().unwrap();
+        assert_eq!(asked, truth[0], "the nearest known node is asked first");
+        assert!(hop.found(20).is_none(), "nothing stands before an answer");
+        hop.answered(asked, &wire(&truth[1..]));
+        let found: Vec<PeerId> = hop.found(20).unwrap().into_iter().map(|(p, _)| p).collect();
+        assert_eq!(found, truth);
+    }
+
+    #[test]
+    fn an_answer_from_farther_out_does_not_stand_and_hops_end() {
+        let all: Vec<PeerId> = (0..200).map(|_| PeerId::random()).collect();
+        let target = [0x42u8; 32];
+        let truth = nearest(&all, &target, 20);
+        let least = (truth.iter())
+            .map(|p| common_prefix(&target, &peer_hash(p)))
+            .min()
+            .unwrap();
+        let outsider = *(all.iter())
+            .find(|p| common_prefix(&target, &peer_hash(p)) < least)
+            .unwrap();
+        let mut hop = Hop::new(target, [(outsider, vec![])]);
+        assert_eq!(hop.next().unwrap().0, outsider);
+        hop.answered(outsider, &wire(&truth));
+        assert!(
+            hop.found(20).is_none(),
+            "a node farther out than the region holds only some of it"
+        );
+        // The next hop asks the nearest node it has heard of; an empty answer is no answer.
+        assert_eq!(hop.next().unwrap().0, truth[0]);
+        hop.answered(truth[0], &[]);
+        assert!(hop.found(20).is_none());
+        assert!(hop.next().is_some());
+        assert!(hop.next().is_none(), "a walk after {MAX_HOPS} hops");
+    }
+
+    #[test]
+    fn an_empty_answer_or_a_confused_one_names_nothing() {
+        let target = [7u8; 32];
+        let peer = PeerId::random();
+        let mut hop = Hop::new(target, [(peer, vec![])]);
+        hop.next();
+        hop.answered(peer, &[]);
+        let junk = WirePeer {
+            id: "not a peer".into(),
+            addrs: vec!["nonsense".into()],
+        };
+        hop.answered(peer, &[junk]);
+        assert!(hop.found(1).is_none());
+        assert_eq!(hop.known.len(), 1);
+    }
+}
