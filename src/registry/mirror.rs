@@ -174,11 +174,11 @@ async fn resolve_tag(
 }
 
 /// Sources one request follows before it goes upstream: a stall down a chain costs a few
-/// (its own source, the stalled one above it, the new leader). Together they wait about
-/// twice the follow timeout, what two sources could cost before.
+/// (its own source, the stalled one above it, the new leader). Together they wait twice the
+/// follow timeout, what two sources could cost before, and one more source `LAST_CHANCE`.
 const MAX_SOURCES: usize = 4;
-/// What a source named after that budget is still given: one that has the blob answers in
-/// milliseconds, and going upstream instead is a fetch behind the coordinator's back.
+/// What the one source named after that budget is still given: one that has the blob answers
+/// in milliseconds, and going upstream instead is a fetch behind the coordinator's back.
 const LAST_CHANCE: Duration = Duration::from_secs(1);
 
 /// A miss nobody holds: lead (a 404) or follow a download; a failed source is reported.
@@ -212,12 +212,22 @@ async fn follow(
     // again, and is followed: a relay that was not progressing can be the new leader since.
     let mut failed = None;
     let give_up = tokio::time::Instant::now() + wait * 2;
+    // One source past the budget, unless following is off (a zero wait).
+    let mut last_chance = !wait.is_zero();
     for _ in 0..MAX_SOURCES {
-        let left = give_up.saturating_duration_since(tokio::time::Instant::now());
-        let wait = wait.min(left.max(LAST_CHANCE));
+        if tokio::time::Instant::now() >= give_up && !last_chance {
+            break;
+        }
         let source = match coalesce.decide(digest, failed.as_ref()).await {
             Decision::Follow(source) => source,
             Decision::Lead | Decision::Alone => return miss(),
+        };
+        let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+        let wait = if left.is_zero() {
+            last_chance = false;
+            LAST_CHANCE
+        } else {
+            wait.min(left)
         };
         let got = if kind == Kind::Blob {
             peers

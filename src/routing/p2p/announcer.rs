@@ -27,6 +27,9 @@ use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 /// never floods the neighbours.
 const MAX_WALKS_IN_FLIGHT: usize = 4;
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
+/// A hop's answer names nodes in at most this many bytes: half of what an asker reads
+/// (`PROVIDE_ACK_MAX`), the rest left for refused keys' positions.
+const ANSWER_BYTES: usize = 16 * 1024;
 /// A walk that found nobody is retried after this long, not in a busy loop.
 const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -291,7 +294,7 @@ impl Announcer {
         mut hop: Hop,
         closest: &[WirePeer],
     ) {
-        hop.answered(peer, closest);
+        hop.answered(peer, closest, swarm.local_peer_id());
         let Some(found) = hop.found(self.timing.replicas) else {
             self.hop(swarm, hop);
             return;
@@ -446,7 +449,8 @@ impl Announcer {
                 error,
                 ..
             } => {
-                if let Some((_, hop)) = self.hops.remove(&request_id) {
+                if let Some((asked, mut hop)) = self.hops.remove(&request_id) {
+                    hop.failed(&asked);
                     self.hop(swarm, hop);
                     self.progress(swarm);
                     return;
@@ -508,22 +512,40 @@ fn own_addrs(swarm: &Swarm<Behaviour>) -> Vec<String> {
         .collect()
 }
 
-/// This node's nodes nearest `key`, not `asker`: a Kademlia answer, asked for by a hop.
+/// This node's nodes nearest `key`, not `asker`: a Kademlia answer, asked for by a hop. Within
+/// [`ANSWER_BYTES`] of names, so long addresses cannot push the answer past what the asker reads.
 fn closest(swarm: &mut Swarm<Behaviour>, asker: &PeerId, key: &str) -> Vec<WirePeer> {
     if key.len() > MAX_KEY_LEN {
         return Vec::new();
     }
     let near = KBucketKey::new(RecordKey::new(&key));
-    (swarm.behaviour_mut().kad)
+    let mut budget = ANSWER_BYTES;
+    let mut answer = Vec::new();
+    for p in (swarm.behaviour_mut().kad)
         .find_closest_local_peers(&near, asker)
         .take(MAX_ANSWER)
-        .map(|p| WirePeer {
-            id: p.node_id.to_string(),
-            addrs: (p.multiaddrs.iter().take(MAX_ADDRESSES))
-                .map(|a| a.to_string())
-                .collect(),
-        })
-        .collect()
+    {
+        let id = p.node_id.to_string();
+        let Some(left) = budget.checked_sub(id.len() + 32) else {
+            break;
+        };
+        budget = left;
+        let mut addrs = Vec::new();
+        for a in p
+            .multiaddrs
+            .iter()
+            .take(MAX_ADDRESSES)
+            .map(|a| a.to_string())
+        {
+            let Some(left) = budget.checked_sub(a.len() + 4) else {
+                break;
+            };
+            budget = left;
+            addrs.push(a);
+        }
+        answer.push(WirePeer { id, addrs });
+    }
+    answer
 }
 
 fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) {

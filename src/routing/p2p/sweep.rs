@@ -26,6 +26,8 @@ pub(super) struct Hop {
     asked: HashSet<PeerId>,
     /// Nodes that answered with nodes of their own.
     answered: HashSet<PeerId>,
+    /// Nodes that could not be asked: never learnt again for this target.
+    gone: HashSet<PeerId>,
 }
 
 impl Hop {
@@ -38,6 +40,7 @@ impl Hop {
             known: HashMap::new(),
             asked: HashSet::new(),
             answered: HashSet::new(),
+            gone: HashSet::new(),
         };
         hop.learn(known);
         hop
@@ -45,6 +48,9 @@ impl Hop {
 
     fn learn(&mut self, peers: impl IntoIterator<Item = (PeerId, Vec<Multiaddr>)>) {
         for (peer, addrs) in peers {
+            if self.gone.contains(&peer) {
+                continue;
+            }
             let known = self.known.entry(peer).or_default();
             if known.is_empty() {
                 *known = addrs;
@@ -66,11 +72,15 @@ impl Hop {
         Some((peer, self.known[&peer].clone()))
     }
 
-    /// `from` named `peers` (an older Ferry names none).
-    pub(super) fn answered(&mut self, from: PeerId, peers: &[WirePeer]) {
+    /// `from` named `peers` (an older Ferry names none); `me`, the asker, is never one of the
+    /// region's nodes.
+    pub(super) fn answered(&mut self, from: PeerId, peers: &[WirePeer], me: &PeerId) {
         let parsed: Vec<(PeerId, Vec<Multiaddr>)> = (peers.iter().take(MAX_ANSWER))
             .filter_map(|p| {
                 let id: PeerId = p.id.parse().ok()?;
+                if id == *me {
+                    return None;
+                }
                 let addrs = (p.addrs.iter().take(MAX_ADDRESSES))
                     .filter_map(|a| a.parse().ok())
                     .collect();
@@ -81,6 +91,12 @@ impl Hop {
             self.answered.insert(from);
         }
         self.learn(parsed);
+    }
+
+    /// `peer` could not be asked: no record goes to it from this hop.
+    pub(super) fn failed(&mut self, peer: &PeerId) {
+        self.known.remove(peer);
+        self.gone.insert(*peer);
     }
 
     /// The `replicas` nearest known nodes, when they stand for the region they cover: a node
@@ -185,7 +201,11 @@ mod tests {
                         break nearest(&all, &next, 20);
                     };
                     asked += 1;
-                    hop.answered(node, &wire(&nearest(&tables[&node], &next, 20)));
+                    hop.answered(
+                        node,
+                        &wire(&nearest(&tables[&node], &next, 20)),
+                        &PeerId::random(),
+                    );
                     if let Some(f) = hop.found(20) {
                         break f.into_iter().map(|(p, _)| p).collect();
                     }
@@ -228,7 +248,7 @@ mod tests {
         let (asked, _) = hop.next().unwrap();
         assert_eq!(asked, truth[0], "the nearest known node is asked first");
         assert!(hop.found(20).is_none(), "nothing stands before an answer");
-        hop.answered(asked, &wire(&truth[1..]));
+        hop.answered(asked, &wire(&truth[1..]), &PeerId::random());
         let found: Vec<PeerId> = hop.found(20).unwrap().into_iter().map(|(p, _)| p).collect();
         assert_eq!(found, truth);
     }
@@ -247,17 +267,35 @@ mod tests {
             .unwrap();
         let mut hop = Hop::new(target, [(outsider, vec![])]);
         assert_eq!(hop.next().unwrap().0, outsider);
-        hop.answered(outsider, &wire(&truth));
+        hop.answered(outsider, &wire(&truth), &PeerId::random());
         assert!(
             hop.found(20).is_none(),
             "a node farther out than the region holds only some of it"
         );
         // The next hop asks the nearest node it has heard of; an empty answer is no answer.
         assert_eq!(hop.next().unwrap().0, truth[0]);
-        hop.answered(truth[0], &[]);
+        hop.answered(truth[0], &[], &PeerId::random());
         assert!(hop.found(20).is_none());
         assert!(hop.next().is_some());
         assert!(hop.next().is_none(), "a walk after {MAX_HOPS} hops");
+    }
+
+    #[test]
+    fn neither_the_asker_nor_a_node_that_failed_gets_the_region() {
+        let all: Vec<PeerId> = (0..200).map(|_| PeerId::random()).collect();
+        let target = [0x42u8; 32];
+        let truth = nearest(&all, &target, 22);
+        let (dead, me, answering) = (truth[0], truth[1], truth[2]);
+        let mut hop = Hop::new(target, [(dead, vec![]), (answering, vec![])]);
+        assert_eq!(hop.next().unwrap().0, dead);
+        hop.failed(&dead);
+        assert_eq!(hop.next().unwrap().0, answering);
+        // The answer (20 nodes, the answering one not among them) names the dead node and
+        // the asker too.
+        let named: Vec<PeerId> = truth[..2].iter().chain(&truth[3..21]).copied().collect();
+        hop.answered(answering, &wire(&named), &me);
+        let found: Vec<PeerId> = hop.found(19).unwrap().into_iter().map(|(p, _)| p).collect();
+        assert_eq!(found, truth[2..21]);
     }
 
     #[test]
@@ -266,12 +304,12 @@ mod tests {
         let peer = PeerId::random();
         let mut hop = Hop::new(target, [(peer, vec![])]);
         hop.next();
-        hop.answered(peer, &[]);
+        hop.answered(peer, &[], &PeerId::random());
         let junk = WirePeer {
             id: "not a peer".into(),
             addrs: vec!["nonsense".into()],
         };
-        hop.answered(peer, &[junk]);
+        hop.answered(peer, &[junk], &PeerId::random());
         assert!(hop.found(1).is_none());
         assert_eq!(hop.known.len(), 1);
     }
