@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use libp2p::kad::store::RecordStore;
-use libp2p::kad::{KBucketKey, PeerInfo, ProviderRecord, QueryId, RecordKey};
+use libp2p::kad::{PeerInfo, ProviderRecord, QueryId, RecordKey};
 use libp2p::request_response::{self, OutboundRequestId};
 use libp2p::{Multiaddr, PeerId, Swarm};
 use prometheus_client::metrics::counter::Counter;
@@ -20,16 +20,13 @@ use super::behaviour::{Behaviour, ProvideTiming};
 use super::draws::Draws;
 use super::growth::{Growth, network_size};
 use super::rest::Resting;
-use super::sweep::{Hop, MAX_ANSWER};
+use super::sweep::{Hop, answer, table_near};
 use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 
 /// Walks and hops: enough to cover a round's regions quickly, few enough that a start-up round
 /// never floods the neighbours.
 const MAX_WALKS_IN_FLIGHT: usize = 4;
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
-/// A hop's answer names nodes in at most this many bytes: half of what an asker reads
-/// (`PROVIDE_ACK_MAX`), the rest left for refused keys' positions.
-const ANSWER_BYTES: usize = 16 * 1024;
 /// A walk that found nobody is retried after this long, not in a busy loop.
 const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -255,9 +252,8 @@ impl Announcer {
             return;
         };
         let local = *swarm.local_peer_id();
-        let near = KBucketKey::new(RecordKey::new(&key));
-        let table: Vec<(PeerId, Vec<Multiaddr>)> = (swarm.behaviour_mut().kad)
-            .find_closest_local_peers(&near, &local)
+        let table: Vec<(PeerId, Vec<Multiaddr>)> = table_near(swarm, &key, &local)
+            .into_iter()
             .map(|p| (p.node_id, p.multiaddrs))
             .collect();
         self.hop(swarm, Hop::new(target, known.into_iter().chain(table)));
@@ -416,7 +412,7 @@ impl Announcer {
                 let closest_to = request.closest_to.clone();
                 let mut ack = self.store_batch(swarm, peer, request);
                 if let Some(key) = closest_to {
-                    ack.closest = closest(swarm, &peer, &key);
+                    ack.closest = answer(swarm, &peer, &key);
                 }
                 // The asker may have given up.
                 let _ = swarm.behaviour_mut().provide.send_response(channel, ack);
@@ -510,42 +506,6 @@ fn own_addrs(swarm: &Swarm<Behaviour>) -> Vec<String> {
         .take(MAX_ADDRESSES)
         .map(|a| a.to_string())
         .collect()
-}
-
-/// This node's nodes nearest `key`, not `asker`: a Kademlia answer, asked for by a hop. Within
-/// [`ANSWER_BYTES`] of names, so long addresses cannot push the answer past what the asker reads.
-fn closest(swarm: &mut Swarm<Behaviour>, asker: &PeerId, key: &str) -> Vec<WirePeer> {
-    if key.len() > MAX_KEY_LEN {
-        return Vec::new();
-    }
-    let near = KBucketKey::new(RecordKey::new(&key));
-    let mut budget = ANSWER_BYTES;
-    let mut answer = Vec::new();
-    for p in (swarm.behaviour_mut().kad)
-        .find_closest_local_peers(&near, asker)
-        .take(MAX_ANSWER)
-    {
-        let id = p.node_id.to_string();
-        let Some(left) = budget.checked_sub(id.len() + 32) else {
-            break;
-        };
-        budget = left;
-        let mut addrs = Vec::new();
-        for a in p
-            .multiaddrs
-            .iter()
-            .take(MAX_ADDRESSES)
-            .map(|a| a.to_string())
-        {
-            let Some(left) = budget.checked_sub(a.len() + 4) else {
-                break;
-            };
-            budget = left;
-            addrs.push(a);
-        }
-        answer.push(WirePeer { id, addrs });
-    }
-    answer
 }
 
 fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) {

@@ -9,14 +9,61 @@
 
 use std::collections::{HashMap, HashSet};
 
-use libp2p::{Multiaddr, PeerId};
+use libp2p::kad::{KBucketKey, KadPeer, RecordKey};
+use libp2p::{Multiaddr, PeerId, Swarm};
 
-use super::announce_plan::{Hash, MAX_ADDRESSES, WirePeer, common_prefix, peer_hash, xor};
+use super::announce_plan::{
+    Hash, MAX_ADDRESSES, MAX_KEY_LEN, WirePeer, common_prefix, peer_hash, xor,
+};
+use super::behaviour::Behaviour;
 
 /// Hops before the region gets a walk of its own.
 pub(super) const MAX_HOPS: usize = 3;
 /// Nodes an answer names at most: Kademlia's k.
-pub(super) const MAX_ANSWER: usize = 20;
+const MAX_ANSWER: usize = 20;
+/// An answer names its nodes in at most this many bytes: half of what an asker reads
+/// (`PROVIDE_ACK_MAX`), so long addresses shorten it instead of making it unreadable.
+const ANSWER_BYTES: usize = 16 * 1024;
+
+/// This node's table nearest `key`, without `except`.
+pub(super) fn table_near(swarm: &mut Swarm<Behaviour>, key: &str, except: &PeerId) -> Vec<KadPeer> {
+    let near = KBucketKey::new(RecordKey::new(&key));
+    (swarm.behaviour_mut().kad)
+        .find_closest_local_peers(&near, except)
+        .take(MAX_ANSWER)
+        .collect()
+}
+
+/// The answer to a hop from `asker`: this node's nodes nearest `key`, as Kademlia answers.
+pub(super) fn answer(swarm: &mut Swarm<Behaviour>, asker: &PeerId, key: &str) -> Vec<WirePeer> {
+    if key.len() > MAX_KEY_LEN {
+        return Vec::new();
+    }
+    let mut budget = ANSWER_BYTES;
+    let mut answer = Vec::new();
+    for p in table_near(swarm, key, asker) {
+        let id = p.node_id.to_string();
+        let Some(left) = budget.checked_sub(id.len() + 32) else {
+            break;
+        };
+        budget = left;
+        let mut addrs = Vec::new();
+        for a in p
+            .multiaddrs
+            .iter()
+            .take(MAX_ADDRESSES)
+            .map(|a| a.to_string())
+        {
+            let Some(left) = budget.checked_sub(a.len() + 4) else {
+                break;
+            };
+            budget = left;
+            addrs.push(a);
+        }
+        answer.push(WirePeer { id, addrs });
+    }
+    answer
+}
 
 /// What the announcer knows of the nodes near one target while it hops.
 #[derive(Debug)]
