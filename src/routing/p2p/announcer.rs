@@ -59,6 +59,9 @@ pub(crate) struct Announcer {
     draws: u64,
     walk_after: Option<Instant>,
     growth: Growth,
+    /// This round walks every region: it started because the network grew, so other nodes'
+    /// tables are still filling in and a hop's answer cannot stand for a region (`sweep.rs`).
+    walk_only: bool,
 }
 
 impl Announcer {
@@ -79,6 +82,7 @@ impl Announcer {
             draws: 1,
             walk_after: None,
             growth: Growth::default(),
+            walk_only: false,
         }
     }
 
@@ -122,7 +126,9 @@ impl Announcer {
     /// Starts a round when one is due or the network has grown (`growth.rs`), then whatever
     /// can start.
     pub(super) fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
-        if now >= self.next_round || self.grown(swarm, now) {
+        let due = now >= self.next_round;
+        if due || self.grown(swarm, now) {
+            self.walk_only = !due;
             self.growth.round_started();
             let mut rested = 0;
             for key in &self.provided {
@@ -205,7 +211,7 @@ impl Announcer {
         let table: usize = (swarm.behaviour_mut().kad.kbuckets())
             .map(|b| b.num_entries())
             .sum();
-        if table < 2 * self.timing.replicas {
+        if table < 2 * self.timing.replicas || self.walk_only {
             return !self.walk(swarm, target);
         }
         self.hop_to(swarm, target, Vec::new());
@@ -236,6 +242,9 @@ impl Announcer {
         let Some(next) = end.and_then(|end| self.pending.after(&end)) else {
             return;
         };
+        if self.walk_only {
+            return;
+        }
         if !self.walking(&next) {
             self.hop_to(swarm, next, known);
         }
