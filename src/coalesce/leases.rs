@@ -1,8 +1,9 @@
 //! The coordinator's lease table: per digest, who leads its download and whom each follower
 //! streams from, as a tree (`docs/design/relays.md`). Pure logic over an injected clock.
 //!
-//! Invariant: no member streams a blob to more than `fanout` followers, and no claimant is
-//! attached inside its own subtree.
+//! Invariant: no member streams a blob to more than `fanout` recorded followers (plus one in
+//! turn per [`MAX_MEMBERS`] past the record), and no claimant is attached inside its own
+//! subtree.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -44,6 +45,8 @@ struct Tree {
     promoted: Option<Instant>,
     leader: usize,
     members: Vec<Member>,
+    /// Claimants past [`MAX_MEMBERS`] sent so far, to spread the next one.
+    unrecorded: usize,
 }
 
 #[derive(Debug)]
@@ -137,6 +140,7 @@ impl Tree {
             promoted: None,
             leader: 0,
             members: vec![Member::new(leader.clone(), None, 0, now)],
+            unrecorded: 0,
         }
     }
 
@@ -203,6 +207,14 @@ impl Tree {
                 return self.follow(parent);
             }
         }
+        if me.is_none() && self.members.len() >= MAX_MEMBERS {
+            let source = if fanout == 0 {
+                self.leader
+            } else {
+                self.in_turn()
+            };
+            return self.follow(source);
+        }
         let source = if fanout == 0 {
             self.leader
         } else {
@@ -212,15 +224,13 @@ impl Tree {
         match me {
             Some(me) => {
                 self.set_parent(me, Some(source), now);
-                self.members[me].depth = depth;
+                self.redepth();
             }
-            None if self.members.len() < MAX_MEMBERS => {
+            None => {
                 self.members
                     .push(Member::new(claimant.clone(), Some(source), depth, now));
                 self.members[source].children += 1;
             }
-            // Not recorded: it follows without becoming a source.
-            None => self.members[source].children += 1,
         }
         self.follow(source)
     }
@@ -255,6 +265,52 @@ impl Tree {
             .unwrap_or(self.leader)
     }
 
+    /// A claimant past [`MAX_MEMBERS`] is not recorded, so it cannot be counted against a
+    /// source's fanout (nor its slot given back): the live members take turns feeding one each.
+    fn in_turn(&mut self) -> usize {
+        let live = (self.members.iter()).filter(|m| m.alive).count();
+        self.unrecorded += 1;
+        let turn = self.unrecorded % live.max(1);
+        (0..self.members.len())
+            .filter(|&i| self.members[i].alive)
+            .nth(turn)
+            .unwrap_or(self.leader)
+    }
+
+    /// Every member's depth from the parent links, after one moved with its subtree; each
+    /// member is walked once.
+    fn redepth(&mut self) {
+        let n = self.members.len();
+        let mut known: Vec<Option<usize>> = vec![None; n];
+        let mut path = Vec::new();
+        for start in 0..n {
+            let (mut i, mut above) = (start, None);
+            // Bounded, like `descends`, against a bug in the parent links.
+            while path.len() <= n {
+                if let Some(d) = known[i] {
+                    above = Some(d);
+                    break;
+                }
+                path.push(i);
+                match self.members[i].parent {
+                    Some(p) => i = p,
+                    None => break,
+                }
+            }
+            // `path` climbs from `start` to the root (depth 0) or to a child of a known member.
+            let mut depth = match above {
+                Some(d) => d + path.len(),
+                None => path.len().saturating_sub(1),
+            };
+            for &j in &path {
+                known[j] = Some(depth);
+                self.members[j].depth = depth;
+                depth = depth.saturating_sub(1);
+            }
+            path.clear();
+        }
+    }
+
     fn descends(&self, mut i: usize, ancestor: usize) -> bool {
         // A bound keeps a bug in the parent links from looping forever.
         for _ in 0..=self.members.len() {
@@ -281,7 +337,7 @@ impl Tree {
         };
         self.set_parent(me, None, now);
         self.set_alive(me, true);
-        self.members[me].depth = 0;
+        self.redepth();
         self.leader = me;
         self.granted = now;
         self.promoted = Some(now);
@@ -504,6 +560,60 @@ mod tests {
         let leases = promoted();
         let past = later + PROMOTED_GRACE;
         assert_eq!(src(leases.claim(&d, &peer("3"), Some("1"), past)), "lead");
+    }
+
+    /// Claimants past the members a tree records follow too, spread over the live members one
+    /// each, and take no slot: the recorded tree keeps its fanout and its counts.
+    #[test]
+    fn past_the_recorded_members_claimants_share_the_sources_without_taking_slots() {
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        let leases = Leases::new(2);
+        let sources = storm(&leases, &d, MAX_MEMBERS + 500, t);
+        let mut per_source: HashMap<&str, usize> = HashMap::new();
+        for s in &sources {
+            *per_source.entry(s.as_str()).or_default() += 1;
+        }
+        assert!(
+            per_source.values().all(|n| *n <= 3),
+            "at most 2 recorded and 1 more"
+        );
+        let table = leases.table.lock().unwrap();
+        let tree = &table[&d];
+        assert_eq!(tree.members.len(), MAX_MEMBERS);
+        for (i, m) in tree.members.iter().enumerate() {
+            let live = (tree.members.iter())
+                .filter(|c| c.alive && c.parent == Some(i))
+                .count();
+            assert_eq!(
+                m.children, live,
+                "member {} counts {}",
+                m.peer.id, m.children
+            );
+        }
+        // The unrecorded took no slot: the recorded tree has one free for each member but one.
+        let free: usize = tree.members.iter().map(|m| 2 - m.children).sum();
+        assert_eq!(free, MAX_MEMBERS + 1);
+    }
+
+    /// A member that moves takes its subtree with it: the depths below it follow, so a chain
+    /// under it still ends where its length says.
+    #[test]
+    fn a_moved_members_subtree_takes_its_new_depth() {
+        let d = Digest::sha256_of(b"layer");
+        let t = Instant::now();
+        let leases = Leases::with_chain(2, 3);
+        // A chain 0 -> 1 -> 2 -> 3; then 2 reports 1 and moves under 0, taking 3 with it.
+        storm(&leases, &d, 3, t);
+        assert_eq!(src(leases.claim(&d, &peer("2"), Some("1"), t)), "0");
+        {
+            let table = leases.table.lock().unwrap();
+            let tree = &table[&d];
+            let depth = |id: &str| tree.members[tree.find(id).unwrap()].depth;
+            assert_eq!((depth("0"), depth("2"), depth("3")), (0, 1, 2));
+        }
+        // 3 is two hops down, so the chain goes on from it (at its stale depth of 3 it could not).
+        assert_eq!(src(leases.claim(&d, &peer("4"), None, t)), "3");
     }
 
     /// A member that re-attaches frees its slot at its old source, and one that comes back to
