@@ -623,6 +623,9 @@ async fn a_round_hops_from_region_to_region_and_every_key_is_found() {
         interval: Duration::from_secs(30),
     };
     let nodes = cluster_with(tmp.path(), 16, timing).await;
+    // Tables filling in are walked (10 s after the last node a table gained): hops answer
+    // from settled ones.
+    tokio::time::sleep(Duration::from_secs(12)).await;
     let keys: Vec<String> = (0..2_000).map(|i| format!("sha256:{i:064x}")).collect();
     nodes[0].router.advertise(keys.clone()).await.unwrap();
     eventually("the round is planned", || {
@@ -647,6 +650,80 @@ async fn a_round_hops_from_region_to_region_and_every_key_is_found() {
                 .any(|p| p.addr == nodes[0].http)
         })
         .await;
+    }
+    for n in nodes {
+        stop(n).await;
+    }
+}
+
+/// A round sends a batch to almost every node. A second after its last answer the node holds
+/// only its anchors and those held on it (Ferry's idle timeout): at 1,000 nodes, rounds that
+/// kept their connections a minute held one from every node to every other. No batch is lost
+/// to a connection closing under it, and keys stay findable (lookups dial).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_round_to_every_node_only_the_anchors_stay_connected() {
+    let _one_at_a_time = MANY_NODES.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    // Each key on 5 nodes: 2,000 keys reach every node.
+    let timing = ProvideTiming {
+        ttl: Duration::from_secs(3_600),
+        interval: Duration::from_secs(1_200),
+        replicas: 5,
+    };
+    let mut nodes = cluster_with(tmp.path(), 20, timing).await;
+    let (p2p, http) = (
+        SocketAddr::new(LOOPBACK, free_port()),
+        SocketAddr::new(LOOPBACK, free_port()),
+    );
+    let seed = [nodes[0].p2p];
+    nodes.push(start_with(
+        &tmp.path().join("late"),
+        p2p,
+        http,
+        &seed,
+        None,
+        timing,
+    ));
+    let late = &nodes[20];
+    eventually("the late node joined", || {
+        let joined = late.router.connected_peers() > 0;
+        async move { joined }
+    })
+    .await;
+    let batches_received = |n: &Node| {
+        let kind = "provide_batch";
+        n.metrics
+            .dht_requests
+            .get_or_create(&DhtLabels { kind })
+            .get()
+    };
+    let keys: Vec<String> = (0..2_000).map(|i| format!("sha256:{i:064x}")).collect();
+    late.router.advertise(keys.clone()).await.unwrap();
+    eventually("every batch answered", || {
+        let done = late.metrics.announcements_pending.get() == 0;
+        async move { done }
+    })
+    .await;
+    let reached = nodes[..20]
+        .iter()
+        .filter(|n| batches_received(n) > 0)
+        .count();
+    eprintln!("the round's batches reached {reached} of 20 nodes");
+    assert!(reached >= 15, "the round reached only {reached} nodes");
+    let anchored = |direction| {
+        let labels = DirectionLabels { direction };
+        late.metrics.peers_anchored.get_or_create(&labels).get()
+    };
+    eventually("only anchors left", || {
+        let (now, held) = (late.router.connected_peers() as i64, anchored("outgoing"));
+        let only_anchors = now <= held + anchored("incoming") && held <= ANCHORS as i64;
+        async move { only_anchors }
+    })
+    .await;
+    assert_eq!(count(&late.metrics.announce_batches, "failed"), 0);
+    for (i, key) in keys.iter().enumerate().step_by(50) {
+        let found = providers(&nodes[i % 20].router, key).await;
+        assert!(found.iter().any(|p| p.addr == http), "{key} not found");
     }
     for n in nodes {
         stop(n).await;

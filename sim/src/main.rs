@@ -74,6 +74,8 @@ struct Options {
     /// Scenario (b): how long the churn lasts, and the share of nodes restarted a minute.
     churn: Duration,
     churn_per_min: f64,
+    /// How long an unused connection stays open.
+    idle: Duration,
 }
 
 fn options() -> Options {
@@ -118,6 +120,10 @@ fn options() -> Options {
         churn_per_min: value("--churn-per-min", "0.05")
             .parse()
             .expect("--churn-per-min"),
+        idle: match args.iter().any(|a| a == "--idle-s") {
+            true => Duration::from_secs_f64(value("--idle-s", "").parse().expect("--idle-s")),
+            false => IDLE_CONNECTION_TIMEOUT,
+        },
     }
 }
 
@@ -179,6 +185,7 @@ struct Sim {
     token: CancellationToken,
     timing: ProvideTiming,
     seed: u64,
+    idle: Duration,
 }
 
 impl Sim {
@@ -217,7 +224,7 @@ impl Sim {
             simulated_latency: None,
             transport: Some(factory),
             bootstrap_dials: DEFAULT_BOOTSTRAP_DIALS,
-            idle_timeout: IDLE_CONNECTION_TIMEOUT,
+            idle_timeout: self.idle,
             caps: ConnectionCaps::default(),
             draws_seed: Some(self.seed),
         };
@@ -296,8 +303,8 @@ fn announce_walks(nodes: &[Node]) -> u64 {
     nodes.iter().map(walks).sum()
 }
 
-/// The announcers' batches so far, summed over the nodes: delivered, failed.
-fn announce_batches(nodes: &[Node]) -> [u64; 2] {
+/// The announcers' batches so far, summed over the nodes: delivered, retried, failed.
+fn announce_batches(nodes: &[Node]) -> [u64; 3] {
     ferry::metrics::BATCH_OUTCOMES.map(|outcome| {
         let labels = OutcomeLabels { outcome };
         let batches = |n: &Node| n.metrics.announce_batches.get_or_create(&labels).get();
@@ -383,6 +390,7 @@ fn run_fields(o: &Options) -> serde_json::Map<String, Value> {
         "clock": "simulated",
         "latency_ms": o.latency.as_secs_f64() * 1000.0,
         "loss": o.loss,
+        "idle_s": o.idle.as_secs_f64(),
     }) else {
         unreachable!("a JSON object")
     };
@@ -402,6 +410,7 @@ async fn run(o: Options) -> serde_json::Value {
             replicas: REPLICAS,
         },
         seed: o.seed,
+        idle: o.idle,
     };
     let mut rng = Rng(o.seed);
     let mut nodes: Vec<Node> = Vec::new();
@@ -424,8 +433,10 @@ async fn run(o: Options) -> serde_json::Value {
     let joined_s = begun.elapsed().as_secs_f64();
     let first_round = dht_requests(&nodes) as f64 / o.nodes as f64;
     let per_node = |ends: usize| ends as f64 / o.nodes as f64;
+    // The join and first rounds' peak, before lookups and the storm open their own.
+    let joining_peak = per_node(net::ends().1);
     eprintln!(
-        "joined after {:.0} s wall: {:.1} MiB/node live, {:.1} connections/node",
+        "joined after {:.0} s wall: {:.1} MiB/node live, {:.1} connections/node ({joining_peak:.1} at most)",
         wall.elapsed().as_secs_f64(),
         live_mib() / o.nodes as f64,
         per_node(net::ends().0)
@@ -440,6 +451,7 @@ async fn run(o: Options) -> serde_json::Value {
         sim.token.cancel();
         let mut report = run_fields(&o);
         report.insert("joined_s".into(), json!(joined_s));
+        report.insert("connections_per_node_peak_joining".into(), json!(joining_peak));
         report.insert("first_round_msgs_per_node".into(), json!(first_round));
         report.insert("wall_s".into(), json!(wall.elapsed().as_secs_f64()));
         if let Value::Object(fields) = fields {
@@ -567,6 +579,7 @@ async fn run(o: Options) -> serde_json::Value {
         "heap_mib_per_node": heap_mib,
         "heap_mib_per_node_steady": steady_heap,
         "connections_per_node_steady": steady_connections,
+        "connections_per_node_peak_joining": joining_peak,
         "connections_per_node": ends as f64 / (o.nodes + 1) as f64,
         "connections_per_node_peak": ends_peak as f64 / (o.nodes + 1) as f64,
         "findable_after_start_s": if findable == Duration::MAX { -1.0 } else { findable.as_secs_f64() },

@@ -135,7 +135,7 @@ pub struct DhtLabels {
 
 /// Every outcome `ferry_announce_walks_total` and `ferry_announce_batches_total` count.
 pub const WALK_OUTCOMES: [&str; 2] = ["converged", "timed_out"];
-pub const BATCH_OUTCOMES: [&str; 2] = ["delivered", "failed"];
+pub const BATCH_OUTCOMES: [&str; 3] = ["delivered", "retried", "failed"];
 /// Every outcome `ferry_announce_hops_total` counts.
 pub const HOP_OUTCOMES: [&str; 2] = ["planned", "walked"];
 
@@ -364,7 +364,7 @@ impl Metrics {
         );
         registry.register(
             "announce_batches",
-            "Batches of provider records sent to the nodes that store them, by outcome: delivered, or failed (not answered: the key's other nodes hold its records)",
+            "Batches of provider records sent to the nodes that store them, by outcome: delivered, retried (its connection closed as it went out: sent once more), or failed (not answered: the key's other nodes hold its records)",
             announce_batches.clone(),
         );
         registry.register(

@@ -14,7 +14,7 @@ use libp2p::swarm::handler::{ConnectionEvent, FullyNegotiatedInbound, FullyNegot
 use libp2p::swarm::{ConnectionHandler, ConnectionHandlerEvent, SubstreamProtocol};
 
 pub(super) const ANCHOR_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/anchor/1.0.0");
-/// Well inside the idle timeout, so a dead peer is found before anyone relies on it again.
+/// Often enough that a dead peer is found before anyone relies on it again.
 pub(super) const PING_EVERY: Duration = Duration::from_secs(15);
 const PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// The echoing side lets go of an anchor whose holder has not pinged for this long.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use libp2p::kad::store::RecordStore;
 use libp2p::kad::{PeerInfo, ProviderRecord, QueryId, RecordKey};
-use libp2p::request_response::{self, OutboundRequestId};
+use libp2p::request_response::{self, OutboundFailure, OutboundRequestId};
 use libp2p::{Multiaddr, PeerId, Swarm};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -27,6 +27,9 @@ use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 /// never floods the neighbours.
 const MAX_WALKS_IN_FLIGHT: usize = 4;
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
+/// A table that gained a node this recently is still filling in, and so are its
+/// neighbours': a hop's answer may miss nodes that just joined, so regions are walked.
+const SETTLING: std::time::Duration = std::time::Duration::from_secs(10);
 /// A walk that found nobody is retried after this long, not in a busy loop.
 const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -37,6 +40,16 @@ type ProvideEvent = request_response::Event<ProvideBatch, ProvideAck>;
 struct Outgoing {
     keys: Vec<Arc<str>>,
     addrs: Vec<Multiaddr>,
+    /// Keys sent once already, whose connection closed under them: not retried again.
+    again: bool,
+}
+
+/// A batch request in flight: an answer names refused keys by position.
+struct Sent {
+    keys: Vec<Arc<str>>,
+    addrs: Vec<Multiaddr>,
+    /// A retry: not sent a third time.
+    again: bool,
 }
 
 pub(crate) struct Announcer {
@@ -47,8 +60,7 @@ pub(crate) struct Announcer {
     /// Walks in flight, by target.
     walks: HashMap<QueryId, Hash>,
     outbox: HashMap<PeerId, Outgoing>,
-    /// Batch requests in flight, with their keys (an answer names refused ones by position).
-    batches: HashMap<OutboundRequestId, Vec<Arc<str>>>,
+    batches: HashMap<OutboundRequestId, Sent>,
     /// Hops in flight (`sweep.rs`): the node asked and what is known near the target.
     hops: HashMap<OutboundRequestId, (PeerId, Hop)>,
     resting: Resting,
@@ -62,6 +74,8 @@ pub(crate) struct Announcer {
     /// This round walks every region: it started because the network grew, so other nodes'
     /// tables are still filling in and a hop's answer cannot stand for a region (`sweep.rs`).
     walk_only: bool,
+    /// When this node's routing table last gained a node.
+    grew: Option<Instant>,
 }
 
 impl Announcer {
@@ -83,6 +97,7 @@ impl Announcer {
             walk_after: None,
             growth: Growth::default(),
             walk_only: false,
+            grew: None,
         }
     }
 
@@ -211,11 +226,23 @@ impl Announcer {
         let table: usize = (swarm.behaviour_mut().kad.kbuckets())
             .map(|b| b.num_entries())
             .sum();
-        if table < 2 * self.timing.replicas || self.walk_only {
+        if table < 2 * self.timing.replicas || !self.sweeps() {
             return !self.walk(swarm, target);
         }
         self.hop_to(swarm, target, Vec::new());
         false
+    }
+
+    /// The routing table gained a node (Kademlia's event).
+    pub(super) fn table_grew(&mut self, now: Instant) {
+        self.grew = Some(now);
+    }
+
+    /// Whether regions are planned by hops (`sweep.rs`): not in an early round, nor while
+    /// tables are filling in.
+    fn sweeps(&self) -> bool {
+        let settled = self.grew.is_none_or(|t| t.elapsed() >= SETTLING);
+        !self.walk_only && settled
     }
 
     /// A Kademlia walk to `target`; false when its key is no longer waiting.
@@ -242,7 +269,7 @@ impl Announcer {
         let Some(next) = end.and_then(|end| self.pending.after(&end)) else {
             return;
         };
-        if self.walk_only {
+        if !self.sweeps() {
             return;
         }
         if !self.walking(&next) {
@@ -380,21 +407,26 @@ impl Announcer {
                 break;
             };
             let n = out.keys.len().min(MAX_KEYS_PER_BATCH);
-            let sent: Vec<Arc<str>> = out.keys.drain(..n).collect();
-            let keys: Vec<String> = sent.iter().map(|k| k.to_string()).collect();
-            let dial = out.addrs.clone();
+            let keys: Vec<Arc<str>> = out.keys.drain(..n).collect();
+            let (dial, again) = (out.addrs.clone(), out.again);
             if out.keys.is_empty() {
                 self.outbox.remove(&peer);
             }
             let request = ProvideBatch {
-                keys,
+                keys: keys.iter().map(|k| k.to_string()).collect(),
                 addrs: addrs.clone(),
                 closest_to: None,
             };
-            let id = swarm
-                .behaviour_mut()
-                .provide
-                .send_request_with_addresses(&peer, request, dial);
+            let id = (swarm.behaviour_mut().provide).send_request_with_addresses(
+                &peer,
+                request,
+                dial.clone(),
+            );
+            let sent = Sent {
+                keys,
+                addrs: dial,
+                again,
+            };
             self.batches.insert(id, sent);
         }
     }
@@ -440,7 +472,7 @@ impl Announcer {
                     return;
                 }
                 count(&self.metrics.announce_batches, "delivered");
-                if let Some(sent) = self.batches.remove(&request_id) {
+                if let Some(Sent { keys: sent, .. }) = self.batches.remove(&request_id) {
                     // Positions out of range (a confused peer) name nothing.
                     for key in response.full.iter().filter_map(|&i| sent.get(i as usize)) {
                         self.resting.refused(key, self.random.hash_one(key));
@@ -460,10 +492,21 @@ impl Announcer {
                     self.progress(swarm);
                     return;
                 }
-                // The other replicas hold these keys; this node's next round tries again.
-                tracing::debug!(%peer, %error, "a batch of provider records was not delivered");
-                count(&self.metrics.announce_batches, "failed");
-                self.batches.remove(&request_id);
+                let sent = self.batches.remove(&request_id);
+                match sent {
+                    Some(sent) if closed(&error) && !sent.again => {
+                        count(&self.metrics.announce_batches, "retried");
+                        let out = self.outbox.entry(peer).or_default();
+                        out.keys.extend(sent.keys);
+                        out.addrs = sent.addrs;
+                        out.again = true;
+                    }
+                    _ => {
+                        // The other replicas hold these keys; the next round tries again.
+                        tracing::debug!(%peer, %error, "a batch of provider records was not delivered");
+                        count(&self.metrics.announce_batches, "failed");
+                    }
+                }
                 self.progress(swarm);
             }
             request_response::Event::InboundFailure { peer, error, .. } => {
@@ -503,7 +546,7 @@ impl Announcer {
 
     fn update_gauge(&self) {
         let planned: usize = self.outbox.values().map(|o| o.keys.len()).sum();
-        let sending: usize = self.batches.values().map(Vec::len).sum();
+        let sending: usize = self.batches.values().map(|b| b.keys.len()).sum();
         let n = self.pending.len() + planned + sending;
         self.metrics.announcements_pending.set(n as i64);
     }
@@ -515,6 +558,12 @@ fn own_addrs(swarm: &Swarm<Behaviour>) -> Vec<String> {
         .take(MAX_ADDRESSES)
         .map(|a| a.to_string())
         .collect()
+}
+
+/// A request sent on a connection closing as it went out: an idle one closes a second after
+/// its last stream, and a new request can reach it in that moment.
+fn closed(error: &OutboundFailure) -> bool {
+    matches!(error, OutboundFailure::ConnectionClosed)
 }
 
 fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) {

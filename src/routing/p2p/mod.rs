@@ -54,9 +54,10 @@ use crate::ops::problems::Problems;
 const COMMAND_QUEUE: usize = 1024;
 /// Providers buffered per lookup; a caller needs the first few.
 const LOOKUP_BUFFER: usize = 32;
-/// Connections without a stream close after this long, except anchors: long enough for a
-/// lookup and its pull, short enough that a round's connections close before the next.
-pub const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections without a stream close after this long, except anchors. Short: a round
+/// reaches almost every node, and its connections kept a minute were N per node at once
+/// (`docs/design/connections.md`); lookups reuse few of them anyway.
+pub const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long picking a coordinator, on a pull's path, waits for a walk; then the closest node
 /// that answered it (`CoordinatorNow`), at worst a second upstream fetch.
 const COORDINATOR_WAIT: Duration = Duration::from_millis(500);
@@ -80,7 +81,7 @@ pub struct P2pConfig {
     pub transport: Option<TransportFactory>,
     /// Bootstrap addresses dialled at once; Kademlia finds the rest.
     pub bootstrap_dials: usize,
-    /// [`IDLE_CONNECTION_TIMEOUT`] in Ferry; tests shorten it.
+    /// [`IDLE_CONNECTION_TIMEOUT`] in Ferry; tests set their own.
     pub idle_timeout: Duration,
     pub caps: ConnectionCaps,
     /// The seed of this node's random draws; `None` (Ferry): the process's own. The

@@ -465,6 +465,9 @@ impl EventLoop {
             } => {
                 tracing::debug!(error = %e, "DHT bootstrap step failed");
             }
+            kad::Event::RoutingUpdated {
+                is_new_peer: true, ..
+            } => self.announcer.table_grew(Instant::now()),
             other => tracing::trace!(event = ?other, "kademlia event"),
         }
     }
