@@ -581,16 +581,7 @@ mod tests {
         let table = leases.table.lock().unwrap();
         let tree = &table[&d];
         assert_eq!(tree.members.len(), MAX_MEMBERS);
-        for (i, m) in tree.members.iter().enumerate() {
-            let live = (tree.members.iter())
-                .filter(|c| c.alive && c.parent == Some(i))
-                .count();
-            assert_eq!(
-                m.children, live,
-                "member {} counts {}",
-                m.peer.id, m.children
-            );
-        }
+        assert_counts_live_children(tree);
         // The unrecorded took no slot: the recorded tree has one free for each member but one.
         let free: usize = tree.members.iter().map(|m| 2 - m.children).sum();
         assert_eq!(free, MAX_MEMBERS + 1);
@@ -631,18 +622,23 @@ mod tests {
         assert_eq!(src(leases.claim(&d, &peer("4"), None, t)), "1");
         let table = leases.table.lock().unwrap();
         let tree = &table[&d];
+        assert_counts_live_children(tree);
+        for m in &tree.members {
+            assert!(m.children <= 1, "member {} feeds {}", m.peer.id, m.children);
+        }
+    }
+
+    /// Every member's `children` is the count of its live children.
+    fn assert_counts_live_children(tree: &Tree) {
         for (i, m) in tree.members.iter().enumerate() {
-            let live = tree
-                .members
-                .iter()
+            let live = (tree.members.iter())
                 .filter(|c| c.alive && c.parent == Some(i))
                 .count();
             assert_eq!(
                 m.children, live,
-                "member {} counts {} children",
+                "member {} counts {}",
                 m.peer.id, m.children
             );
-            assert!(live <= 1, "member {} feeds {live}", m.peer.id);
         }
     }
 }
