@@ -614,18 +614,40 @@ fn count(family: &Family<OutcomeLabels, Counter>, outcome: &'static str) -> u64 
 /// lookups look: on its closest nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_round_hops_from_region_to_region_and_every_key_is_found() {
+    // Tables filling in are confirmed (10 s after the last node a table gained): one
+    // answer stands from settled ones.
+    round_of_hops(Duration::from_secs(12), "planned").await;
+}
+
+/// Right after the network formed, tables are still filling in: one answer could miss nodes
+/// that joined seconds ago, so each region's nearest nodes confirm it, still a few requests
+/// instead of a walk, and every key is found (the flaw of one answer showed here in one run of
+/// three).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_tables_fill_in_a_round_confirms_regions_and_every_key_is_found() {
+    // Past the first moments, when a table under twice the replicas walks (one walk sees
+    // everything); tables keep filling in for seconds.
+    round_of_hops(Duration::from_secs(2), "confirmed").await;
+}
+
+/// 16 nodes; after `settle`, node 0 announces 2,000 keys: more regions go by `outcome` than
+/// by walks, and keys are found from the other nodes.
+async fn round_of_hops(settle: Duration, outcome: &'static str) {
     let tmp = tempfile::tempdir().unwrap();
-    // Each key on 2 nodes (Ferry: 20), so 16 nodes hold 8 times a key's slots: regions are
-    // small, as at 160 nodes with 20.
+    // Each key on 2 nodes (Ferry: 20): a node among a key's 2 nearest is asked by every lookup.
+    // No second round within the test: a key the first placed wrong stays missing.
     let timing = ProvideTiming {
         replicas: 2,
-        ttl: Duration::from_secs(60),
-        interval: Duration::from_secs(30),
+        ttl: Duration::from_secs(1_800),
+        interval: Duration::from_secs(600),
     };
     let nodes = cluster_with(tmp.path(), 16, timing).await;
-    // Tables filling in are walked (10 s after the last node a table gained): hops answer
-    // from settled ones.
-    tokio::time::sleep(Duration::from_secs(12)).await;
+    eventually("node 0 connected to half the nodes", || {
+        let half = nodes[0].router.connected_peers() >= 8;
+        async move { half }
+    })
+    .await;
+    tokio::time::sleep(settle).await;
     let keys: Vec<String> = (0..2_000).map(|i| format!("sha256:{i:064x}")).collect();
     nodes[0].router.advertise(keys.clone()).await.unwrap();
     eventually("the round is planned", || {
@@ -634,12 +656,13 @@ async fn a_round_hops_from_region_to_region_and_every_key_is_found() {
     })
     .await;
     let m = &nodes[0].metrics;
-    let planned = count(&m.announce_hops, "planned");
+    let hopped = count(&m.announce_hops, outcome);
     let walks = count(&m.announce_walks, "converged") + count(&m.announce_walks, "timed_out");
-    eprintln!("{planned} regions planned by a hop, {walks} walks");
+    let gave_up = count(&m.announce_hops, "walked");
+    eprintln!("{hopped} regions {outcome} by hops, {walks} walks ({gave_up} after hops)");
     assert!(
-        planned > walks,
-        "{planned} regions planned by a hop, {walks} walks"
+        hopped > walks,
+        "{hopped} regions {outcome} by hops, {walks} walks"
     );
     for (i, key) in keys.iter().enumerate().step_by(40) {
         let asker = &nodes[1 + i % 15];

@@ -303,6 +303,17 @@ fn announce_walks(nodes: &[Node]) -> u64 {
     nodes.iter().map(walks).sum()
 }
 
+/// The announcers' regions so far, summed over the nodes: planned, confirmed, walked.
+fn announce_hops(nodes: &[Node]) -> [u64; 3] {
+    ferry::metrics::HOP_OUTCOMES.map(|outcome| {
+        let labels = OutcomeLabels { outcome };
+        nodes
+            .iter()
+            .map(|n| n.metrics.announce_hops.get_or_create(&labels).get())
+            .sum()
+    })
+}
+
 /// The announcers' batches so far, summed over the nodes: delivered, retried, failed.
 fn announce_batches(nodes: &[Node]) -> [u64; 3] {
     ferry::metrics::BATCH_OUTCOMES.map(|outcome| {
@@ -440,6 +451,16 @@ async fn run(o: Options) -> serde_json::Value {
         wall.elapsed().as_secs_f64(),
         live_mib() / o.nodes as f64,
         per_node(net::ends().0)
+    );
+    eprintln!(
+        "join per node: requests {:?} {:?}, announce walks {:.0}, hops (planned, confirmed, walked) {:?}, early rounds {:.1}, batches {:?}, connections opened {:.0}",
+        DHT_REQUEST_KINDS,
+        requests_by_kind(&nodes).iter().map(|&r| per_node(r as usize).round()).collect::<Vec<_>>(),
+        per_node(announce_walks(&nodes) as usize),
+        announce_hops(&nodes).map(|h| per_node(h as usize).round()),
+        per_node(nodes.iter().map(|n| n.metrics.announce_rounds_early.get() as usize).sum()),
+        announce_batches(&nodes).map(|b| per_node(b as usize).round()),
+        per_node(net::opened()),
     );
 
     let fields = match o.scenario.as_str() {

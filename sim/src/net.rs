@@ -53,6 +53,12 @@ fn lock(pipe: &Mutex<Pipe>) -> std::sync::MutexGuard<'_, Pipe> {
 /// Connection ends alive now and at most so far: each end is one node's connection.
 static ENDS: AtomicUsize = AtomicUsize::new(0);
 static ENDS_PEAK: AtomicUsize = AtomicUsize::new(0);
+static OPENED: AtomicUsize = AtomicUsize::new(0);
+
+/// Connections opened so far.
+pub fn opened() -> usize {
+    OPENED.load(Ordering::Relaxed)
+}
 
 /// Connection ends alive now, and the most alive at once so far.
 pub fn ends() -> (usize, usize) {
@@ -64,6 +70,7 @@ pub fn ends() -> (usize, usize) {
 
 /// Both ends of a new connection between `dialler` and `listener`.
 fn connection(net: &SimNet, dialler: IpAddr, listener: IpAddr) -> (SimStream, SimStream) {
+    OPENED.fetch_add(1, Ordering::Relaxed);
     let now = ENDS.fetch_add(2, Ordering::Relaxed) + 2;
     ENDS_PEAK.fetch_max(now, Ordering::Relaxed);
     let (a, b) = (Arc::default(), Arc::default());

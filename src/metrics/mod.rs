@@ -137,7 +137,7 @@ pub struct DhtLabels {
 pub const WALK_OUTCOMES: [&str; 2] = ["converged", "timed_out"];
 pub const BATCH_OUTCOMES: [&str; 3] = ["delivered", "retried", "failed"];
 /// Every outcome `ferry_announce_hops_total` counts.
-pub const HOP_OUTCOMES: [&str; 2] = ["planned", "walked"];
+pub const HOP_OUTCOMES: [&str; 3] = ["planned", "confirmed", "walked"];
 
 /// Every outcome `ferry_provider_walks_total` counts.
 pub const PROVIDER_WALK_OUTCOMES: [&str; 2] = ["found", "none"];
@@ -369,7 +369,7 @@ impl Metrics {
         );
         registry.register(
             "announce_hops",
-            "Announcement regions by how they were planned: planned (from the answer of a node near the region, a request or two instead of a walk of about 30) or walked (no answer stood for the region within 3 hops: a walk of its own)",
+            "Announcement regions by how they were planned: planned (from the answer of a node near the region, a request or two instead of a walk of about 30), confirmed (while routing tables fill in, or in an early round: after the 3 nearest nodes known answered, a few requests) or walked (no answer stood for the region within 3 hops, or 8 when confirming: a walk of its own)",
             announce_hops.clone(),
         );
         registry.register(

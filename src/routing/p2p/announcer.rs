@@ -20,7 +20,7 @@ use super::behaviour::{Behaviour, ProvideTiming};
 use super::draws::Draws;
 use super::growth::{Growth, network_size};
 use super::rest::Resting;
-use super::sweep::{Hop, answer, table_near};
+use super::sweep::{CONFIRM, Hop, answer, table_near};
 use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 
 /// Walks and hops: enough to cover a round's regions quickly, few enough that a start-up round
@@ -28,7 +28,8 @@ use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 const MAX_WALKS_IN_FLIGHT: usize = 4;
 const MAX_BATCHES_IN_FLIGHT: usize = 32;
 /// A table that gained a node this recently is still filling in, and so are its
-/// neighbours': a hop's answer may miss nodes that just joined, so regions are walked.
+/// neighbours': a hop's answer may miss nodes that just joined, so each region's nearest
+/// nodes confirm it (`sweep.rs`).
 const SETTLING: std::time::Duration = std::time::Duration::from_secs(10);
 /// A walk that found nobody is retried after this long, not in a busy loop.
 const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
@@ -71,9 +72,9 @@ pub(crate) struct Announcer {
     draws: u64,
     walk_after: Option<Instant>,
     growth: Growth,
-    /// This round walks every region: it started because the network grew, so other nodes'
-    /// tables are still filling in and a hop's answer cannot stand for a region (`sweep.rs`).
-    walk_only: bool,
+    /// This round started because the network grew: other nodes' tables are still filling
+    /// in, so one answer cannot stand for a region (`sweep.rs`).
+    early: bool,
     /// When this node's routing table last gained a node.
     grew: Option<Instant>,
 }
@@ -96,7 +97,7 @@ impl Announcer {
             draws: 1,
             walk_after: None,
             growth: Growth::default(),
-            walk_only: false,
+            early: false,
             grew: None,
         }
     }
@@ -143,7 +144,7 @@ impl Announcer {
     pub(super) fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
         let due = now >= self.next_round;
         if due || self.grown(swarm, now) {
-            self.walk_only = !due;
+            self.early = !due;
             self.growth.round_started();
             let mut rested = 0;
             for key in &self.provided {
@@ -168,7 +169,7 @@ impl Announcer {
         }
         let size = estimate_size(swarm);
         let before = self.growth.baseline();
-        let grown = self.growth.grown(size);
+        let grown = self.growth.grown(size) && self.growth.paused(now, self.grew);
         if grown {
             tracing::info!(
                 before = before.unwrap_or_default().round(),
@@ -226,7 +227,7 @@ impl Announcer {
         let table: usize = (swarm.behaviour_mut().kad.kbuckets())
             .map(|b| b.num_entries())
             .sum();
-        if table < 2 * self.timing.replicas || !self.sweeps() {
+        if table < 2 * self.timing.replicas {
             return !self.walk(swarm, target);
         }
         self.hop_to(swarm, target, Vec::new());
@@ -238,11 +239,11 @@ impl Announcer {
         self.grew = Some(now);
     }
 
-    /// Whether regions are planned by hops (`sweep.rs`): not in an early round, nor while
-    /// tables are filling in.
-    fn sweeps(&self) -> bool {
+    /// How many of a region's nearest nodes must answer a hop (`sweep.rs`): some in an
+    /// early round and while tables are filling in, else none.
+    fn confirm(&self) -> usize {
         let settled = self.grew.is_none_or(|t| t.elapsed() >= SETTLING);
-        !self.walk_only && settled
+        if self.early || !settled { CONFIRM } else { 0 }
     }
 
     /// A Kademlia walk to `target`; false when its key is no longer waiting.
@@ -269,9 +270,6 @@ impl Announcer {
         let Some(next) = end.and_then(|end| self.pending.after(&end)) else {
             return;
         };
-        if !self.sweeps() {
-            return;
-        }
         if !self.walking(&next) {
             self.hop_to(swarm, next, known);
         }
@@ -292,7 +290,8 @@ impl Announcer {
             .into_iter()
             .map(|p| (p.node_id, p.multiaddrs))
             .collect();
-        self.hop(swarm, Hop::new(target, known.into_iter().chain(table)));
+        let hop = Hop::new(target, known.into_iter().chain(table), self.confirm());
+        self.hop(swarm, hop);
     }
 
     /// Asks `hop`'s next node, or walks when it has asked enough.
@@ -331,7 +330,12 @@ impl Announcer {
             self.hop(swarm, hop);
             return;
         };
-        count(&self.metrics.announce_hops, "planned");
+        let outcome = if hop.confirming() {
+            "confirmed"
+        } else {
+            "planned"
+        };
+        count(&self.metrics.announce_hops, outcome);
         let end = self.take_plan(hop.target, found.clone(), false);
         self.sweep_on(swarm, end, found);
     }

@@ -1,5 +1,6 @@
 //! An early announcement round when the network, estimated from the routing table, has grown
-//! several times over. Invariant: only at [`GROWTH_FACTOR`] times the size at the last round's end.
+//! several times over. Invariant: only at [`GROWTH_FACTOR`] times the size at the last round's end,
+//! once the routing table pauses gaining nodes (at most a minute later).
 
 use std::time::Duration;
 
@@ -10,6 +11,11 @@ use super::announce_plan::Hash;
 /// Records placed before are missed by under 0.5% of lookups up to this growth.
 const GROWTH_FACTOR: f64 = 4.0;
 const CHECK_EVERY: Duration = Duration::from_secs(10);
+/// A growing network is announced into once its growth pauses this long (a node joins in
+/// well under a second), or after [`MOST_WAIT`]: a round placed mid-growth misses the nodes
+/// still coming.
+const QUIET: Duration = Duration::from_secs(2);
+const MOST_WAIT: Duration = Duration::from_secs(60);
 const NEAREST: usize = 20;
 
 #[derive(Debug, Default)]
@@ -17,11 +23,26 @@ pub(crate) struct Growth {
     /// The estimated size when the last round ended; `None` while a round runs.
     at_last_round: Option<f64>,
     next_check: Option<Instant>,
+    /// When growth was first seen while the table was still gaining nodes.
+    waiting_since: Option<Instant>,
 }
 
 impl Growth {
     pub(super) fn round_started(&mut self) {
         self.at_last_round = None;
+        self.waiting_since = None;
+    }
+
+    /// The network grew: whether the early round starts now, given when the routing table
+    /// last gained a node. Otherwise checked again after [`QUIET`].
+    pub(super) fn paused(&mut self, now: Instant, table_grew: Option<Instant>) -> bool {
+        let since = *self.waiting_since.get_or_insert(now);
+        let quiet = table_grew.is_none_or(|t| now >= t + QUIET);
+        if quiet || now >= since + MOST_WAIT {
+            return true;
+        }
+        self.next_check = Some(now + QUIET);
+        false
     }
 
     /// No round runs: whether to estimate the size now.
@@ -123,6 +144,30 @@ mod tests {
         assert_eq!(g.baseline(), Some(400.0), "the first end counts");
         assert!(!g.grown(1_000.0));
         assert!(g.grown(1_600.0));
+    }
+
+    #[test]
+    fn an_early_round_waits_for_the_growth_to_pause_at_most_a_minute() {
+        let mut g = Growth::default();
+        let t = Instant::now();
+        g.round_ended(4.0);
+        assert!(g.due(t) && g.grown(16.0));
+        assert!(g.paused(t, None), "a table that never grew is quiet");
+        assert!(!g.paused(t, Some(t)), "a node joined just now");
+        assert!(!g.due(t + Duration::from_secs(1)));
+        assert!(g.due(t + QUIET), "checked again after the pause");
+        assert!(g.paused(t + QUIET, Some(t)));
+        // Growing without a pause: a minute on, the round starts anyway.
+        let s = t + Duration::from_secs(30);
+        let mut g = Growth::default();
+        assert!(!g.paused(s, Some(s)));
+        assert!(!g.paused(
+            s + Duration::from_secs(59),
+            Some(s + Duration::from_secs(59))
+        ));
+        assert!(g.paused(s + MOST_WAIT, Some(s + MOST_WAIT)));
+        g.round_started();
+        assert!(!g.paused(s + MOST_WAIT, Some(s + MOST_WAIT)), "a new wait");
     }
 
     #[test]

@@ -19,6 +19,10 @@ use super::behaviour::Behaviour;
 
 /// Hops before the region gets a walk of its own.
 pub(super) const MAX_HOPS: usize = 3;
+/// While tables fill in: the region's nearest nodes that must have answered, and the hops
+/// allowed to reach them.
+pub(super) const CONFIRM: usize = 3;
+const MAX_CONFIRM_HOPS: usize = 8;
 /// Nodes an answer names at most: Kademlia's k.
 const MAX_ANSWER: usize = 20;
 /// An answer names its nodes in at most this many bytes: half of what an asker reads
@@ -75,12 +79,16 @@ pub(super) struct Hop {
     answered: HashSet<PeerId>,
     /// Nodes that could not be asked: never learnt again for this target.
     gone: HashSet<PeerId>,
+    /// How many of the nearest known nodes must have answered (0: the invariant above only).
+    confirm: usize,
 }
 
 impl Hop {
+    /// `confirm`: [`CONFIRM`] while tables fill in, else 0.
     pub(super) fn new(
         target: Hash,
         known: impl IntoIterator<Item = (PeerId, Vec<Multiaddr>)>,
+        confirm: usize,
     ) -> Hop {
         let mut hop = Hop {
             target,
@@ -88,6 +96,7 @@ impl Hop {
             asked: HashSet::new(),
             answered: HashSet::new(),
             gone: HashSet::new(),
+            confirm,
         };
         hop.learn(known);
         hop
@@ -106,9 +115,14 @@ impl Hop {
     }
 
     /// The next node to ask and where to reach it: the nearest known one not asked yet, or
-    /// `None` after `MAX_HOPS`.
+    /// `None` after `MAX_HOPS` (`MAX_CONFIRM_HOPS` when confirming).
     pub(super) fn next(&mut self) -> Option<(PeerId, Vec<Multiaddr>)> {
-        if self.asked.len() >= MAX_HOPS {
+        let most = if self.confirming() {
+            MAX_CONFIRM_HOPS
+        } else {
+            MAX_HOPS
+        };
+        if self.asked.len() >= most {
             return None;
         }
         let peer = (self.known.keys())
@@ -140,14 +154,20 @@ impl Hop {
         self.learn(parsed);
     }
 
+    pub(super) fn confirming(&self) -> bool {
+        self.confirm > 0
+    }
+
     /// `peer` could not be asked: no record goes to it from this hop.
     pub(super) fn failed(&mut self, peer: &PeerId) {
         self.known.remove(peer);
         self.gone.insert(*peer);
     }
 
-    /// The `replicas` nearest known nodes, when they stand for the region they cover: a node
-    /// that answered is as near the target as the farthest of them.
+    /// The nearest known nodes (`replicas` at least, up to Kademlia's k as a walk finds), when
+    /// they stand for the region they cover: a node that answered is as near the target as
+    /// the farthest of them. Fewer than k would leave a key of the region its nearest
+    /// `replicas` only when they are the region's nearest too.
     pub(super) fn found(&self, replicas: usize) -> Option<Vec<(PeerId, Vec<Multiaddr>)>> {
         let mut near: Vec<(Hash, PeerId)> = (self.known.keys())
             .map(|p| (xor(&self.target, &peer_hash(p)), *p))
@@ -156,7 +176,12 @@ impl Hop {
             return None;
         }
         near.sort_unstable();
-        near.truncate(replicas);
+        // A node that joined seconds ago is known to the nodes nearest it (its own lookup
+        // asked them) before anyone farther out.
+        if (near.iter().take(self.confirm)).any(|(_, p)| !self.answered.contains(p)) {
+            return None;
+        }
+        near.truncate(replicas.max(MAX_ANSWER));
         let least = (near.iter())
             .map(|(_, p)| common_prefix(&self.target, &peer_hash(p)))
             .min()?;
@@ -208,6 +233,83 @@ mod tests {
             .collect()
     }
 
+    /// One round's figures: walks, nodes asked a region, and the share of records on each
+    /// key's 20 truly closest nodes.
+    struct Round {
+        walks: usize,
+        per_region: f64,
+        share: f64,
+        /// The fewest of a key's 20 closest nodes that hold it.
+        fewest: usize,
+    }
+
+    /// A round of `keys` by hops from `me`, each asked node answering from its `tables` entry.
+    fn sweep_round(
+        all: &[PeerId],
+        tables: &HashMap<PeerId, Vec<PeerId>>,
+        my_table: &[PeerId],
+        keys: &[String],
+        confirm: usize,
+    ) -> Round {
+        let mut pending = Pending::default();
+        keys.iter().cloned().for_each(|k| pending.insert(k));
+        let (mut walks, mut asked, mut regions) = (0, 0, 0);
+        let mut stored: HashMap<String, Vec<PeerId>> = HashMap::new();
+        let mut start = pending.pick([0x5a; 32]);
+        let mut found: Vec<PeerId> = Vec::new();
+        // Hops from this node's table, then from each region to the next.
+        while let Some(next) = start {
+            regions += 1;
+            let near_me = nearest(my_table, &next, 20);
+            let known = found.iter().chain(&near_me).map(|p| (*p, vec![]));
+            let mut hop = Hop::new(next, known, confirm);
+            found = loop {
+                let Some((node, _)) = hop.next() else {
+                    walks += 1;
+                    break nearest(all, &next, 20);
+                };
+                asked += 1;
+                let answer = wire(&nearest(&tables[&node], &next, 20));
+                hop.answered(node, &answer, &PeerId::random());
+                if let Some(f) = hop.found(20) {
+                    break f.into_iter().map(|(p, _)| p).collect();
+                }
+            };
+            let (plan, end) = pending.plan(&next, &found, false, 20);
+            for (peer, keys) in plan {
+                for k in keys {
+                    stored.entry(k.to_string()).or_default().push(peer);
+                }
+            }
+            start = end.and_then(|e| pending.after(&e));
+        }
+        assert!(keys.iter().all(|k| stored[k].len() == 20));
+        // Checked for every fifth key.
+        let (mut exact, mut checked, mut fewest) = (0, 0, 20);
+        for k in keys.iter().step_by(5) {
+            let truth = nearest(all, &super::super::announce_plan::key_hash(k), 20);
+            let hits = stored[k].iter().filter(|p| truth.contains(p)).count();
+            fewest = fewest.min(hits);
+            exact += hits;
+            checked += 1;
+        }
+        let round = Round {
+            walks,
+            per_region: asked as f64 / regions as f64,
+            share: exact as f64 / (20.0 * checked as f64),
+            fewest,
+        };
+        eprintln!(
+            "confirm {confirm}: {walks} walks, {regions} regions, {:.2} nodes asked a region, {:.3} of the records on the closest nodes, fewest {fewest}",
+            round.per_region, round.share
+        );
+        round
+    }
+
+    fn keys(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("sha256:{i:064x}")).collect()
+    }
+
     #[test]
     fn a_sweep_asks_a_node_or_two_a_region_and_records_land_where_kademlia_puts_them() {
         let all: Vec<PeerId> = (0..1_000).map(|_| PeerId::random()).collect();
@@ -220,67 +322,68 @@ mod tests {
             .collect();
         let me = PeerId::random();
         let my_table = table(&peer_hash(&me), all.iter().copied());
-        let keys: Vec<String> = (0..10_000).map(|i| format!("sha256:{i:064x}")).collect();
-        let mut pending = Pending::default();
-        keys.iter().cloned().for_each(|k| pending.insert(k));
-        let (mut walks, mut asked, mut regions) = (0, 0, 0);
-        let mut stored: HashMap<String, Vec<PeerId>> = HashMap::new();
-        let mut place = |pending: &mut Pending, target: &Hash, found: &[PeerId]| {
-            let (plan, end) = pending.plan(target, found, false, 20);
-            for (peer, keys) in plan {
-                for k in keys {
-                    stored.entry(k.to_string()).or_default().push(peer);
-                }
-            }
-            end
-        };
-        let mut start = pending.pick([0x5a; 32]);
-        let mut found: Vec<PeerId> = Vec::new();
-        // Hops from this node's table, then from each region to the next.
-        while let Some(next) = start {
-            {
-                regions += 1;
-                let near_me = nearest(&my_table, &next, 20);
-                let mut hop = Hop::new(next, found.iter().chain(&near_me).map(|p| (*p, vec![])));
-                found = loop {
-                    let Some((node, _)) = hop.next() else {
-                        walks += 1;
-                        break nearest(&all, &next, 20);
-                    };
-                    asked += 1;
-                    hop.answered(
-                        node,
-                        &wire(&nearest(&tables[&node], &next, 20)),
-                        &PeerId::random(),
-                    );
-                    if let Some(f) = hop.found(20) {
-                        break f.into_iter().map(|(p, _)| p).collect();
-                    }
-                };
-                let end = place(&mut pending, &next, &found);
-                start = end.and_then(|e| pending.after(&e));
-            }
-        }
-        let per_region = asked as f64 / regions as f64;
-        eprintln!("{walks} walks, {regions} regions, {per_region:.2} nodes asked a region");
-        assert!(walks < 5, "{walks} walks for 10,000 keys on 1,000 nodes");
-        assert!(per_region < 2.0, "{per_region:.2} nodes asked a region");
-        // As a walk per region places them (`announce_plan.rs`): every key on 20 nodes,
-        // mostly the closest; checked for every fifth key.
-        assert!(keys.iter().all(|k| stored[k].len() == 20));
-        let (mut exact, mut checked) = (0, 0);
-        for k in keys.iter().step_by(5) {
-            let truth = nearest(&all, &super::super::announce_plan::key_hash(k), 20);
-            let hits = stored[k].iter().filter(|p| truth.contains(p)).count();
-            assert!(hits >= 4, "{k}: only {hits} of 20 on the closest nodes");
-            exact += hits;
-            checked += 1;
-        }
-        let share = exact as f64 / (20.0 * checked as f64);
-        eprintln!("{share:.3} of the records on the closest nodes");
+        let round = sweep_round(&all, &tables, &my_table, &keys(10_000), 0);
+        assert!(round.walks < 5, "{} walks for 10,000 keys", round.walks);
         assert!(
-            share > 0.8,
-            "{share:.3} of the records on the closest nodes"
+            round.per_region < 2.0,
+            "{:.2} asked a region",
+            round.per_region
+        );
+        // As a walk per region places them (`announce_plan.rs`): mostly the closest.
+        assert!(round.share > 0.8, "{:.3} on the closest", round.share);
+        assert!(
+            round.fewest >= 4,
+            "a key on {} of its closest",
+            round.fewest
+        );
+    }
+
+    /// 300 nodes joined seconds ago: each is known so far only to the 20 nodes nearest it
+    /// (its own lookup asked them) and to this node. One answer from a node that has not
+    /// heard of them passes the invariant; the region's nearest nodes have.
+    #[test]
+    fn while_tables_fill_in_the_nearest_nodes_confirm_a_region() {
+        // Fixed identities: the same figures every run.
+        let peer = |i: u32| {
+            let mut seed = [7u8; 32];
+            seed[..4].copy_from_slice(&i.to_be_bytes());
+            let key = libp2p::identity::Keypair::ed25519_from_bytes(seed).expect("a key");
+            key.public().to_peer_id()
+        };
+        let old: Vec<PeerId> = (0..700).map(peer).collect();
+        let new: Vec<PeerId> = (700..1_000).map(peer).collect();
+        let all: Vec<PeerId> = old.iter().chain(&new).copied().collect();
+        let mut heard: HashMap<PeerId, Vec<PeerId>> =
+            (all.iter()).map(|p| (*p, old.to_vec())).collect();
+        for n in &new {
+            for near in nearest(&all, &peer_hash(n), 21) {
+                heard.get_mut(&near).expect("a node").push(*n);
+            }
+            heard.insert(*n, all.clone());
+        }
+        let tables: HashMap<PeerId, Vec<PeerId>> = (heard.into_iter())
+            .map(|(p, h)| (p, table(&peer_hash(&p), h.into_iter())))
+            .collect();
+        let my_table = table(&peer_hash(&peer(1_000)), all.iter().copied());
+        let keys = keys(3_000);
+        let one = sweep_round(&all, &tables, &my_table, &keys, 0);
+        let confirmed = sweep_round(&all, &tables, &my_table, &keys, CONFIRM);
+        assert!(
+            confirmed.share > one.share && confirmed.share > 0.8,
+            "{:.3} of the records on the closest nodes when confirmed, {:.3} from one answer",
+            confirmed.share,
+            one.share
+        );
+        // A walk asks about 30 nodes.
+        assert!(
+            confirmed.per_region < 6.0,
+            "{:.2} asked",
+            confirmed.per_region
+        );
+        assert!(
+            confirmed.walks * 10 < keys.len() / 100,
+            "{} walks",
+            confirmed.walks
         );
     }
 
@@ -291,7 +394,7 @@ mod tests {
         let truth = nearest(&all, &target, 20);
         // Known: nodes far from the target, and the nearest one.
         let far = all.iter().filter(|p| !truth.contains(p)).take(5);
-        let mut hop = Hop::new(target, far.chain([&truth[0]]).map(|p| (*p, vec![])));
+        let mut hop = Hop::new(target, far.chain([&truth[0]]).map(|p| (*p, vec![])), 0);
         let (asked, _) = hop.next().unwrap();
         assert_eq!(asked, truth[0], "the nearest known node is asked first");
         assert!(hop.found(20).is_none(), "nothing stands before an answer");
@@ -312,7 +415,7 @@ mod tests {
         let outsider = *(all.iter())
             .find(|p| common_prefix(&target, &peer_hash(p)) < least)
             .unwrap();
-        let mut hop = Hop::new(target, [(outsider, vec![])]);
+        let mut hop = Hop::new(target, [(outsider, vec![])], 0);
         assert_eq!(hop.next().unwrap().0, outsider);
         hop.answered(outsider, &wire(&truth), &PeerId::random());
         assert!(
@@ -333,7 +436,7 @@ mod tests {
         let target = [0x42u8; 32];
         let truth = nearest(&all, &target, 22);
         let (dead, me, answering) = (truth[0], truth[1], truth[2]);
-        let mut hop = Hop::new(target, [(dead, vec![]), (answering, vec![])]);
+        let mut hop = Hop::new(target, [(dead, vec![]), (answering, vec![])], 0);
         assert_eq!(hop.next().unwrap().0, dead);
         hop.failed(&dead);
         assert_eq!(hop.next().unwrap().0, answering);
@@ -349,7 +452,7 @@ mod tests {
     fn an_empty_answer_or_a_confused_one_names_nothing() {
         let target = [7u8; 32];
         let peer = PeerId::random();
-        let mut hop = Hop::new(target, [(peer, vec![])]);
+        let mut hop = Hop::new(target, [(peer, vec![])], 0);
         hop.next();
         hop.answered(peer, &[], &PeerId::random());
         let junk = WirePeer {
