@@ -164,14 +164,22 @@ async fn cluster_with(tmp: &std::path::Path, n: usize, timing: ProvideTiming) ->
     nodes
 }
 
-async fn eventually<F, Fut>(what: &str, mut check: F)
+async fn eventually<F, Fut>(what: &str, check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    eventually_within(what, EVENTUALLY, check).await
+}
+
+async fn eventually_within<F, Fut>(what: &str, limit: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
     let start = Instant::now();
     while !check().await {
-        assert!(start.elapsed() < EVENTUALLY, "timed out: {what}");
+        assert!(start.elapsed() < limit, "timed out: {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -722,7 +730,8 @@ async fn after_a_round_to_every_node_only_the_anchors_stay_connected() {
     };
     let keys: Vec<String> = (0..2_000).map(|i| format!("sha256:{i:064x}")).collect();
     late.router.advertise(keys.clone()).await.unwrap();
-    eventually("every batch answered", || {
+    // Its first walks took 9-12 s with another process keeping a core busy.
+    eventually_within("every batch answered", Duration::from_secs(60), || {
         let done = late.metrics.announcements_pending.get() == 0;
         async move { done }
     })
@@ -737,7 +746,10 @@ async fn after_a_round_to_every_node_only_the_anchors_stay_connected() {
         let labels = DirectionLabels { direction };
         late.metrics.peers_anchored.get_or_create(&labels).get()
     };
-    eventually("only anchors left", || {
+    // The late node joined a table of under 20 nodes: Kademlia's automatic bootstrap then
+    // walks every bucket of the others, each walk reaching it, for tens of seconds when the
+    // machine is loaded.
+    eventually_within("only anchors left", Duration::from_secs(90), || {
         let (now, held) = (late.router.connected_peers() as i64, anchored("outgoing"));
         let only_anchors = now <= held + anchored("incoming") && held <= ANCHORS as i64;
         async move { only_anchors }
