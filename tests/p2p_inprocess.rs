@@ -629,8 +629,7 @@ async fn a_round_hops_from_region_to_region_and_every_key_is_found() {
 
 /// Right after the network formed, tables are still filling in: one answer could miss nodes
 /// that joined seconds ago, so each region's nearest nodes confirm it, still a few requests
-/// instead of a walk, and every key is found (the flaw of one answer showed here in one run of
-/// three).
+/// instead of a walk, and every key is found.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_tables_fill_in_a_round_confirms_regions_and_every_key_is_found() {
     // Past the first moments, when a table under twice the replicas walks (one walk sees

@@ -292,34 +292,37 @@ fn provider_walks(nodes: &[Node]) -> Vec<[u64; 3]> {
         .collect()
 }
 
+/// One of a node's outcome counters, by outcome, summed over the nodes.
+fn by_outcome<const N: usize>(
+    nodes: &[Node],
+    outcomes: [&'static str; N],
+    count: fn(&Metrics, &OutcomeLabels) -> u64,
+) -> [u64; N] {
+    outcomes.map(|outcome| {
+        let labels = OutcomeLabels { outcome };
+        nodes.iter().map(|n| count(&n.metrics, &labels)).sum()
+    })
+}
+
 /// The announcers' walks so far (converged or timed out), summed over the nodes.
 fn announce_walks(nodes: &[Node]) -> u64 {
-    let outcomes = ferry::metrics::WALK_OUTCOMES;
-    let labels = outcomes.map(|outcome| OutcomeLabels { outcome });
-    let walks = |n: &Node| -> u64 {
-        let family = &n.metrics.announce_walks;
-        labels.iter().map(|l| family.get_or_create(l).get()).sum()
-    };
-    nodes.iter().map(walks).sum()
+    let walks = by_outcome(nodes, ferry::metrics::WALK_OUTCOMES, |m, l| {
+        m.announce_walks.get_or_create(l).get()
+    });
+    walks.iter().sum()
 }
 
 /// The announcers' regions so far, summed over the nodes: planned, confirmed, walked.
 fn announce_hops(nodes: &[Node]) -> [u64; 3] {
-    ferry::metrics::HOP_OUTCOMES.map(|outcome| {
-        let labels = OutcomeLabels { outcome };
-        nodes
-            .iter()
-            .map(|n| n.metrics.announce_hops.get_or_create(&labels).get())
-            .sum()
+    by_outcome(nodes, ferry::metrics::HOP_OUTCOMES, |m, l| {
+        m.announce_hops.get_or_create(l).get()
     })
 }
 
 /// The announcers' batches so far, summed over the nodes: delivered, retried, failed.
 fn announce_batches(nodes: &[Node]) -> [u64; 3] {
-    ferry::metrics::BATCH_OUTCOMES.map(|outcome| {
-        let labels = OutcomeLabels { outcome };
-        let batches = |n: &Node| n.metrics.announce_batches.get_or_create(&labels).get();
-        nodes.iter().map(batches).sum()
+    by_outcome(nodes, ferry::metrics::BATCH_OUTCOMES, |m, l| {
+        m.announce_batches.get_or_create(l).get()
     })
 }
 

@@ -164,10 +164,9 @@ impl Hop {
         self.gone.insert(*peer);
     }
 
-    /// The nearest known nodes (`replicas` at least, up to Kademlia's k as a walk finds), when
-    /// they stand for the region they cover: a node that answered is as near the target as
-    /// the farthest of them. Fewer than k would leave a key of the region its nearest
-    /// `replicas` only when they are the region's nearest too.
+    /// The nearest known nodes (`replicas` at least, up to Kademlia's k, as a walk finds: each
+    /// key then gets its own nearest), when they stand for the region they cover: a node that
+    /// answered is as near the target as the farthest of them.
     pub(super) fn found(&self, replicas: usize) -> Option<Vec<(PeerId, Vec<Multiaddr>)>> {
         let mut near: Vec<(Hash, PeerId)> = (self.known.keys())
             .map(|p| (xor(&self.target, &peer_hash(p)), *p))
