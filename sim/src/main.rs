@@ -357,8 +357,8 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 unsafe extern "C" {
-    /// glibc's: gives freed heap back to the system.
-    fn malloc_trim(pad: usize) -> i32;
+    /// mimalloc's (the sim's allocator, `heap.rs`): gives freed heap back to the system.
+    fn mi_collect(force: bool);
 }
 
 /// A line of `/proc/self/status` in MiB: `VmRSS:` now, `VmHWM:` the peak.
@@ -372,10 +372,10 @@ fn status_mib(field: &str) -> f64 {
 }
 
 /// Resident memory once freed heap is given back: what the nodes hold, not what the first
-/// round's messages once took (glibc keeps freed memory in its arenas).
+/// round's messages once took (the allocator keeps freed memory for reuse).
 fn live_mib() -> f64 {
-    // SAFETY: malloc_trim takes no pointers and only returns free pages.
-    unsafe { malloc_trim(0) };
+    // SAFETY: mi_collect takes no pointers and only returns free pages.
+    unsafe { mi_collect(true) };
     status_mib("VmRSS:")
 }
 
@@ -458,10 +458,18 @@ async fn run(o: Options) -> serde_json::Value {
     eprintln!(
         "join per node: requests {:?} {:?}, announce walks {:.0}, hops (planned, confirmed, walked) {:?}, early rounds {:.1}, batches {:?}, connections opened {:.0}",
         DHT_REQUEST_KINDS,
-        requests_by_kind(&nodes).iter().map(|&r| per_node(r as usize).round()).collect::<Vec<_>>(),
+        requests_by_kind(&nodes)
+            .iter()
+            .map(|&r| per_node(r as usize).round())
+            .collect::<Vec<_>>(),
         per_node(announce_walks(&nodes) as usize),
         announce_hops(&nodes).map(|h| per_node(h as usize).round()),
-        per_node(nodes.iter().map(|n| n.metrics.announce_rounds_early.get() as usize).sum()),
+        per_node(
+            nodes
+                .iter()
+                .map(|n| n.metrics.announce_rounds_early.get() as usize)
+                .sum()
+        ),
         announce_batches(&nodes).map(|b| per_node(b as usize).round()),
         per_node(net::opened()),
     );
@@ -475,7 +483,10 @@ async fn run(o: Options) -> serde_json::Value {
         sim.token.cancel();
         let mut report = run_fields(&o);
         report.insert("joined_s".into(), json!(joined_s));
-        report.insert("connections_per_node_peak_joining".into(), json!(joining_peak));
+        report.insert(
+            "connections_per_node_peak_joining".into(),
+            json!(joining_peak),
+        );
         report.insert("first_round_msgs_per_node".into(), json!(first_round));
         report.insert("wall_s".into(), json!(wall.elapsed().as_secs_f64()));
         if let Value::Object(fields) = fields {
