@@ -1257,6 +1257,53 @@ async fn a_peer_that_never_answers_costs_a_dial_its_timeout_and_a_quiet_client_i
     stop(node).await;
 }
 
+/// A listener whose accept queue is full: the kernel drops further SYNs, as a partition or a
+/// node that is gone does. The fillers must stay open.
+fn syn_dropping_listener() -> (socket2::Socket, SocketAddr, Vec<std::net::TcpStream>) {
+    use socket2::{Domain, Socket, Type};
+    let listener = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    listener.bind(&SocketAddr::new(LOOPBACK, 0).into()).unwrap();
+    listener.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap().as_socket().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..16 {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+            Ok(conn) => fillers.push(conn),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return (listener, addr, fillers),
+            Err(e) => panic!("filling the accept queue: {e}"),
+        }
+    }
+    panic!("the accept queue never filled: SYNs are not dropped here");
+}
+
+/// A peer address that drops SYNs (a partition, a node that is gone) costs a dial the connect
+/// deadline, not the 10 s upgrade deadline: a walk waiting on such a dial would hold one of its
+/// slots past a pull's wait. Here, with bootstrap dials limited to a few in flight, dials go
+/// on being made where each holding 10 s would stop them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_address_that_drops_syns_costs_a_dial_the_connect_deadline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_listener, dropping, _fillers) = syn_dropping_listener();
+    let node = start(
+        &tmp.path().join("a"),
+        SocketAddr::new(LOOPBACK, free_port()),
+        SocketAddr::new(LOOPBACK, free_port()),
+        &[dropping],
+    );
+    let wanted = DEFAULT_BOOTSTRAP_DIALS as u64 + 2;
+    eventually_within(
+        "dials past the in-flight limit, each given up at the connect deadline",
+        Duration::from_secs(8),
+        || {
+            let dials = node.metrics.bootstrap_dials.get();
+            async move { dials >= wanted }
+        },
+    )
+    .await;
+    assert_eq!(node.router.connected_peers(), 0);
+    stop(node).await;
+}
+
 /// L2: anyone can send bytes that fail the private-network handshake. From an address that
 /// is no node's (not bootstrap, never connected), that is counted but never raises "cluster
 /// secrets differ", a false lead during an incident.

@@ -59,7 +59,8 @@ struct Options {
     shared: f64,
     /// Re-announcement interval.
     interval: Duration,
-    /// The share of writes that lose a segment (each then arrives 200 ms late).
+    /// The share of writes that lose a segment (each then arrives 200 ms late) and of dials
+    /// that lose their SYN (resent after 1 s).
     loss: f64,
     /// Scenario (c): digests every node misses at once, the blob's size, the node links and
     /// the registry's, and `--relay-fanout`.

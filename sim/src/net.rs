@@ -13,9 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use ferry::routing::p2p::CONNECT_DEADLINE;
 use futures::future::BoxFuture;
 use futures::{AsyncRead, AsyncWrite, FutureExt};
 use libp2p::core::multiaddr::{Multiaddr, Protocol};
+use libp2p::core::transport::timeout::TransportTimeout;
 use libp2p::core::transport::{DialOpts, ListenerId, TransportError, TransportEvent};
 use libp2p::core::upgrade::Version;
 use libp2p::core::{Transport, muxing::StreamMuxerBox};
@@ -195,13 +197,16 @@ type Accepted = (SimStream, SocketAddr);
 /// Linux's least retransmission timeout: on links of a millisecond or two, every resend waits
 /// this long.
 const RTO: Duration = Duration::from_millis(200);
+/// Linux's first SYN retransmission: a connect whose SYN is lost waits this long.
+const SYN_RTO: Duration = Duration::from_secs(1);
 
 /// The switchboard every node's transport shares.
 #[derive(Clone)]
 pub struct SimNet {
     inner: Arc<Mutex<Inner>>,
     latency: Duration,
-    /// The share of writes whose first segment is lost, and the draws' seed and count.
+    /// The share of writes whose first segment is lost (and of dials whose SYN is), and the
+    /// draws' seed and count.
     loss: f64,
     seed: u64,
     draws: Arc<std::sync::atomic::AtomicU64>,
@@ -265,26 +270,27 @@ impl SimNet {
         (across && Instant::now() < split.heals).then_some(split.heals)
     }
 
-    /// Node `ip`'s transport: plaintext identities (the encryption changes CPU, not the
-    /// protocol) and yamux, as Ferry's.
+    /// Node `ip`'s transport: Ferry's connect deadline, plaintext identities (the encryption
+    /// changes CPU, not the protocol) and yamux, as Ferry's.
     pub fn transport(
         &self,
         ip: IpAddr,
         key: &Keypair,
     ) -> libp2p::core::transport::Boxed<(PeerId, StreamMuxerBox)> {
-        SimTransport {
+        let sim = SimTransport {
             net: self.clone(),
             ip,
             listeners: Vec::new(),
             events: VecDeque::new(),
-        }
-        .upgrade(Version::V1Lazy)
-        .authenticate(plaintext::Config::new(key))
-        .multiplex(yamux::Config::default())
-        // Ferry's own deadline on a dial and its upgrades (`UPGRADE_DEADLINE`).
-        .timeout(Duration::from_secs(10))
-        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
-        .boxed()
+        };
+        TransportTimeout::with_outgoing_timeout(sim, CONNECT_DEADLINE)
+            .upgrade(Version::V1Lazy)
+            .authenticate(plaintext::Config::new(key))
+            .multiplex(yamux::Config::default())
+            // Ferry's own deadline on a dial and its upgrades (`UPGRADE_DEADLINE`).
+            .timeout(Duration::from_secs(10))
+            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+            .boxed()
     }
 }
 
@@ -361,10 +367,14 @@ impl Transport for SimTransport {
             let from = SocketAddr::new(self.ip, inner.next_port);
             inner.listeners.get(&to).cloned().map(|tx| (tx, from))
         };
+        let syn_lost = self.net.lost();
         Ok(async move {
-            // A SYN into a partition is resent until it heals (the deadline above cuts it).
+            // A SYN into a partition is resent until it heals (`CONNECT_DEADLINE` cuts it).
             if let Some(heals) = net.held_until(ip, to.ip()) {
                 tokio::time::sleep_until(heals).await;
+            }
+            if syn_lost {
+                tokio::time::sleep(SYN_RTO).await;
             }
             // The SYN and its answer.
             tokio::time::sleep(latency * 2).await;

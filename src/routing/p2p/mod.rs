@@ -31,6 +31,7 @@ use std::time::{Duration, SystemTime};
 use futures::future::Either;
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::core::transport::Boxed;
+use libp2p::core::transport::timeout::TransportTimeout;
 use libp2p::core::upgrade::Version;
 use libp2p::core::{ConnectedPoint, Endpoint};
 use libp2p::identity::Keypair;
@@ -118,6 +119,10 @@ pub const PER_IP: usize = 8;
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 /// The whole upgrade (handshake, noise, yamux).
 const UPGRADE_DEADLINE: Duration = Duration::from_secs(10);
+/// A TCP connect inside a cluster is answered in one round trip; one unanswered this long went
+/// into a partition or to a node that is gone, and a walk waiting on it holds one of its few
+/// slots past the coordinator's 500 ms (docs/design/connections.md).
+pub const CONNECT_DEADLINE: Duration = Duration::from_millis(250);
 
 #[derive(Debug, thiserror::Error)]
 pub enum P2pError {
@@ -284,8 +289,9 @@ fn peer_transport(
     psk: Option<[u8; 32]>,
 ) -> Result<Boxed<(PeerId, StreamMuxerBox)>, Box<dyn std::error::Error + Send + Sync>> {
     let noise = noise::Config::new(key)?;
+    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
     Ok(
-        tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+        TransportTimeout::with_outgoing_timeout(tcp, CONNECT_DEADLINE)
             .and_then(move |socket, endpoint| {
                 let upgrade = checked(socket, endpoint, psk);
                 async move {
