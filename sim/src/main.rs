@@ -586,6 +586,11 @@ async fn run(o: Options) -> serde_json::Value {
     };
     // Scenario (c): the rollout storm, on the nodes that started together.
     let rollout = rollout(&nodes[..o.nodes], &o, &sim.net);
+    eprintln!(
+        "storm starts after {:.0} s wall: {:.0} MiB RSS",
+        wall.elapsed().as_secs_f64(),
+        status_mib("VmRSS:")
+    );
     let storm = storm::run(&rollout, o.storm_digests, &mut rng).await;
     let mem = live_mib() / (o.nodes + 1) as f64;
     let heap_mib = heap::live_mib() / (o.nodes + 1) as f64;
