@@ -1,6 +1,6 @@
 //! Live heap bytes of the whole run, counted at the allocator: what the nodes hold, apart from
 //! the allocator's own fragmentation, which in one process of N nodes is not a node's. The
-//! allocator is mimalloc: glibc's malloc was a fifth of a 300-node start's time.
+//! allocator is mimalloc, faster here than glibc's (docs/design/scale-sim.md).
 
 use mimalloc::MiMalloc;
 use std::alloc::{GlobalAlloc, Layout};

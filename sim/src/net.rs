@@ -287,7 +287,7 @@ impl SimNet {
             .upgrade(Version::V1Lazy)
             .authenticate(plaintext::Config::new(key))
             .multiplex(yamux::Config::default())
-            // Ferry's own deadline on a dial and its upgrades (`UPGRADE_DEADLINE`).
+            // Ferry's own deadline on the upgrades (`UPGRADE_DEADLINE`).
             .timeout(Duration::from_secs(10))
             .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
             .boxed()
