@@ -18,6 +18,7 @@
 
 mod churn;
 mod entropy;
+mod handshake;
 mod heap;
 mod net;
 mod partition;

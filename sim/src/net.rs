@@ -22,9 +22,11 @@ use libp2p::core::transport::{DialOpts, ListenerId, TransportError, TransportEve
 use libp2p::core::upgrade::Version;
 use libp2p::core::{Transport, muxing::StreamMuxerBox};
 use libp2p::identity::Keypair;
-use libp2p::{PeerId, plaintext, yamux};
+use libp2p::{PeerId, yamux};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
+
+use crate::handshake::Handshake;
 
 /// One direction of a connection: what was written, each chunk with the time it arrives.
 #[derive(Default)]
@@ -270,8 +272,8 @@ impl SimNet {
         (across && Instant::now() < split.heals).then_some(split.heals)
     }
 
-    /// Node `ip`'s transport: Ferry's connect deadline, plaintext identities (the encryption
-    /// changes CPU, not the protocol) and yamux, as Ferry's.
+    /// Node `ip`'s transport: Ferry's connect deadline, the sim's handshake in place of noise
+    /// (`handshake.rs`) and yamux, as Ferry's.
     pub fn transport(
         &self,
         ip: IpAddr,
@@ -285,7 +287,9 @@ impl SimNet {
         };
         TransportTimeout::with_outgoing_timeout(sim, CONNECT_DEADLINE)
             .upgrade(Version::V1Lazy)
-            .authenticate(plaintext::Config::new(key))
+            .authenticate(Handshake {
+                local: key.public().to_peer_id(),
+            })
             .multiplex(yamux::Config::default())
             // Ferry's own deadline on the upgrades (`UPGRADE_DEADLINE`).
             .timeout(Duration::from_secs(10))
