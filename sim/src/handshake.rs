@@ -1,7 +1,6 @@
 //! The sim's connection handshake in place of Ferry's noise: each end sends its peer ID and
-//! reads the other's, one message each way as libp2p's plaintext exchange, without the 8 KiB
-//! read buffer plaintext keeps for a connection's life (a rollout storm holds hundreds of
-//! connections a node; docs/design/scale-sim.md). Encryption changes CPU, not the protocol.
+//! reads the other's, one message each way as libp2p's plaintext exchange, but keeping no
+//! read buffer for the connection's life. Encryption changes CPU, not the protocol.
 
 use std::{io, iter};
 
