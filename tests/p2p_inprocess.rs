@@ -806,19 +806,25 @@ async fn when_the_network_grows_fourfold_the_first_nodes_keys_move_to_the_new_cl
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    eventually("the early round is over", || {
+    // Its requests time out after 10 s where a node is slow to answer.
+    eventually_within("the early round is over", Duration::from_secs(60), || {
         let done = nodes[0].metrics.announcements_pending.get() == 0;
         async move { done }
     })
     .await;
-    // From three of the new nodes, every key: the regular round is 15-20 minutes away.
+    // From three of the new nodes, every key: the regular round is 15-20 minutes away. With 2
+    // replicas one request lost to a connection closing idle misses a key, so a miss is asked
+    // again: a key the round put in the wrong place stays missing.
     for asker in [&nodes[15], &nodes[9], &nodes[4]] {
         for key in &keys {
-            let found = providers(&asker.router, key).await;
-            assert!(
-                found.iter().any(|p| p.addr == nodes[0].http),
-                "{key} not found from a new node after the network grew"
-            );
+            eventually(
+                "every key found from a new node after the network grew",
+                || async {
+                    let found = providers(&asker.router, key).await;
+                    found.iter().any(|p| p.addr == nodes[0].http)
+                },
+            )
+            .await;
         }
     }
     assert_eq!(nodes[0].metrics.announce_rounds_early.get(), 1);

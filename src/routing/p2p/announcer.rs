@@ -143,8 +143,9 @@ impl Announcer {
     /// can start.
     pub(super) fn tick(&mut self, swarm: &mut Swarm<Behaviour>, now: Instant) {
         let due = now >= self.next_round;
-        if due || self.grown(swarm, now) {
-            self.early = !due;
+        let early = !due && self.grown(swarm, now);
+        if due || early {
+            self.early = early;
             self.growth.round_started();
             let mut rested = 0;
             for key in &self.provided {
@@ -160,6 +161,10 @@ impl Announcer {
             self.draws += 1;
         }
         self.progress(swarm);
+        // Counted once its keys show as pending, so a reader of both sees the round running.
+        if early {
+            self.metrics.announce_rounds_early.inc();
+        }
     }
 
     /// With no round running: whether the network grew enough for an early round.
@@ -176,7 +181,6 @@ impl Announcer {
                 now = size.round(),
                 "the network grew since the last round: announcing again now"
             );
-            self.metrics.announce_rounds_early.inc();
         }
         grown
     }
