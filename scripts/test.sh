@@ -21,6 +21,7 @@ ensure_cargo_deny
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
+(cd sim && cargo fmt --check)
 echo "==> cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --features system-tests --locked -- -D warnings
 echo "==> cargo deny check licenses bans sources (advisories need a database this machine cannot fetch)"
