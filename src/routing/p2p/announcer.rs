@@ -344,13 +344,15 @@ impl Announcer {
         self.sweep_on(swarm, end, found);
     }
 
-    /// A closest-peers query ended (`complete`: converged); false when it was not ours.
+    /// A closest-peers query ended (`complete`: converged; `all_answered`: no node it asked
+    /// failed); false when it was not ours.
     pub(super) fn on_walk(
         &mut self,
         swarm: &mut Swarm<Behaviour>,
         id: QueryId,
         found: Vec<PeerInfo>,
         complete: bool,
+        all_answered: bool,
     ) -> bool {
         let Some(target) = self.walks.remove(&id) else {
             return false;
@@ -360,9 +362,10 @@ impl Announcer {
         if found.is_empty() {
             self.walk_after = Some(Instant::now() + EMPTY_WALK_BACKOFF);
         }
-        // Fewer than asked from a converged walk means there are no others; a timed-out walk
-        // says nothing of the rest (else every waiting key would go to the few it reached).
-        let whole_network = complete && found.len() < self.timing.replicas;
+        // Fewer than asked from a converged walk means there are no others, unless a node it
+        // asked failed (one gone, a restarted node's old identity): its nodes went unheard. A
+        // timed-out walk says nothing of the rest (else every key would go to the few it reached).
+        let whole_network = complete && all_answered && found.len() < self.timing.replicas;
         let found: Vec<(PeerId, Vec<Multiaddr>)> =
             found.into_iter().map(|p| (p.peer_id, p.addrs)).collect();
         let end = self.take_plan(target, found.clone(), whole_network);

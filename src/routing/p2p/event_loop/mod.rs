@@ -425,6 +425,7 @@ impl EventLoop {
             kad::Event::OutboundQueryProgressed {
                 id,
                 result: QueryResult::GetClosestPeers(result),
+                stats,
                 ..
             } => {
                 let (found, complete) = match result {
@@ -444,7 +445,8 @@ impl EventLoop {
                         self.walk_ended(key, Some(&peers), cut);
                     }
                 } else {
-                    self.announcer.on_walk(&mut self.swarm, id, found, complete);
+                    let all_answered = stats.num_failures() == 0;
+                    (self.announcer).on_walk(&mut self.swarm, id, found, complete, all_answered);
                 }
             }
             kad::Event::InboundRequest { request } => {
