@@ -587,10 +587,15 @@ async fn run(o: Options) -> serde_json::Value {
     };
     // Scenario (c): the rollout storm, on the nodes that started together.
     let rollout = rollout(&nodes[..o.nodes], &o, &sim.net);
+    // Printed before the storm, whose connections are the run's peak of memory.
     eprintln!(
-        "storm starts after {:.0} s wall: {:.0} MiB RSS",
+        "storm starts after {:.0} s wall: {:.0} MiB RSS; lookups p50 / p99 {:.1} / {:.1} ms ({missed} missed), not found p50 {:.1} ms, findable after start {:.2} s",
         wall.elapsed().as_secs_f64(),
-        status_mib("VmRSS:")
+        status_mib("VmRSS:"),
+        percentile(&mut found_ms, 0.5),
+        percentile(&mut found_ms, 0.99),
+        percentile(&mut absent_ms, 0.5),
+        findable.as_secs_f64(),
     );
     let storm = storm::run(&rollout, o.storm_digests, &mut rng).await;
     let mem = live_mib() / (o.nodes + 1) as f64;
