@@ -7,7 +7,9 @@
 #   ./scripts/scale.sh --sim --nodes 30,100 --digests 1000 --seed 1 [--out DIR]
 # runs the simulation in simulated time instead (sim/, issue #32: one process per run, a paused
 # clock, an in-memory network; no root): DIR/scale-sim.json (default benches/results) and
-# DIR/scale-sim.svg; the same seed gives the same figures.
+# DIR/scale-sim.svg; the same seed gives the same figures. A run too large for the machine's
+# memory stops with why (`--max-rss-mib`, default 90% of what is available); the others are
+# still written, and the script exits 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -33,13 +35,23 @@ if [ "${1:-}" = "--sim" ]; then
     (cd sim && CARGO_TARGET_DIR="$PWD/../target/sim" cargo build --locked --release)
     bin=target/sim/x86_64-unknown-linux-gnu/release/ferry-sim
     runs=$(mktemp)
+    unfinished=()
     for n in ${nodes//,/ }; do
         echo "==> simulated: $n nodes ${args[*]}" >&2
         # Without address randomization: nothing seeded from an address differs between runs.
-        setarch "$(uname -m)" -R "$bin" --nodes "$n" "${args[@]}" | tee -a "$runs"
+        # A run that does not fit in memory says why (exit 3); the others are still reported.
+        if ! setarch "$(uname -m)" -R "$bin" --nodes "$n" "${args[@]}" | tee -a "$runs"; then
+            unfinished+=("$n")
+        fi
     done
-    python3 scripts/scale_sim_report.py "$runs" "$out"
+    if [ -s "$runs" ]; then
+        python3 scripts/scale_sim_report.py "$runs" "$out"
+    fi
     rm -f "$runs"
+    if [ ${#unfinished[@]} -gt 0 ]; then
+        echo "==> not finished (reasons above): ${unfinished[*]} nodes" >&2
+        exit 3
+    fi
     exit
 fi
 

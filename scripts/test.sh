@@ -5,7 +5,7 @@
 # kubernetes-validate, cel-python, grpcio) when missing, checks formatting, lints, licenses
 # and the rooms' imports, then runs every test: unit, golden files, fuzzing (60 s
 # per target), the chart lint, the scale simulation's runs (30 nodes twice, a partition,
-# churn at 30 and 100 nodes), and the
+# churn at 30 and 100 nodes, runs too large for the memory), and the
 # integration tests that start real containerd, registries and network namespaces, the last
 # ones again with containerd 1.7 and 2.x. Those fail (never
 # skip) if a prerequisite is missing.
@@ -87,6 +87,29 @@ c = json.load(open(f"{sys.argv[1]}/c100/scale-sim.json"))[0]
 assert c["churn_restarts"] == 10 and c["churn_restarted_never_findable"] == 0, c
 assert c["churn_findable_after_restart_s_max"] < 2, c
 print(f"churn at 100 nodes: restarted nodes' keys found within {c['churn_findable_after_restart_s_max']} s")
+PY
+# A run too large for the memory stops with why, never by the OOM killer: refused before it
+# starts when the nodes' heap alone would not fit, stopped while it runs past --max-rss-mib;
+# scale.sh still writes the runs that finished.
+(cd sim && CARGO_TARGET_DIR="$PWD/../target/sim" cargo test --locked --release)
+set +e
+./scripts/scale.sh --sim --nodes 10,5000 --digests 100 --max-rss-mib 20480 --lookups 20 \
+    --out "$sim_runs/m" >/dev/null 2>"$sim_runs/m.err"
+refused=$?
+# 10 nodes' heap is about 23 MiB, the process about 45 MiB resident.
+./scripts/scale.sh --sim --nodes 10 --digests 100 --lookups 20 --max-rss-mib 30 \
+    --out "$sim_runs/g" >/dev/null 2>"$sim_runs/g.err"
+stopped=$?
+set -e
+python3 - "$sim_runs" "$refused" "$stopped" <<'PY'
+import json, sys
+d, refused, stopped = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+m_err, g_err = open(f"{d}/m.err").read(), open(f"{d}/g.err").read()
+assert refused == 3 and "5000 nodes x 100 digests need at least" in m_err, m_err
+assert "the largest run of 100 digests that could fit has about" in m_err, m_err
+assert [r["nodes"] for r in json.load(open(f"{d}/m/scale-sim.json"))] == [10], "the 10-node run"
+assert stopped == 3 and "passed the bound of 30 MiB" in g_err and "--seed" in g_err, g_err
+print("too large for the memory: refused, or stopped, with why")
 PY
 rm -rf "$sim_runs"
 # The cluster tests again against containerd 1.7 and 2.x (Debian's trixie and sid packages,

@@ -11,7 +11,9 @@
 //! rest its own: the real-socket simulation's keys); then lookups of other nodes' own keys and
 //! of absent ones from random nodes, and the time until 20 keys of a node started last are
 //! found. Prints one JSON run. `--scenario churn [--churn-s 120] [--churn-per-min 0.05]` is
-//! scenario (b) after the same start (`churn.rs`), `--scenario partition` is (d).
+//! scenario (b) after the same start (`churn.rs`), `--scenario partition` is (d). A run stops
+//! with exit code 3 and why when it cannot fit the machine's memory (`--max-rss-mib`,
+//! `memory.rs`).
 //!
 //! The clock ticks in whole milliseconds (tokio's timer wheel): a byte written is delivered at
 //! the first tick `--latency-ms` after it, so links shorter than 1 ms are 1 ms links here.
@@ -20,6 +22,7 @@ mod churn;
 mod entropy;
 mod handshake;
 mod heap;
+mod memory;
 mod net;
 mod partition;
 mod storm;
@@ -78,6 +81,8 @@ struct Options {
     churn_per_min: f64,
     /// How long an unused connection stays open.
     idle: Duration,
+    /// Resident memory at which the run stops (`memory.rs`).
+    max_rss_mib: f64,
 }
 
 fn options() -> Options {
@@ -122,6 +127,10 @@ fn options() -> Options {
         churn_per_min: value("--churn-per-min", "0.05")
             .parse()
             .expect("--churn-per-min"),
+        max_rss_mib: match args.iter().any(|a| a == "--max-rss-mib") {
+            true => value("--max-rss-mib", "").parse().expect("--max-rss-mib"),
+            false => memory::default_bound_mib(),
+        },
         idle: match args.iter().any(|a| a == "--idle-s") {
             true => Duration::from_secs_f64(value("--idle-s", "").parse().expect("--idle-s")),
             false => IDLE_CONNECTION_TIMEOUT,
@@ -432,6 +441,7 @@ async fn run(o: Options) -> serde_json::Value {
     let mut nodes: Vec<Node> = Vec::new();
     let every = o.join / o.nodes.max(1) as u32;
     let begun = Instant::now();
+    memory::phase("the join");
     for i in 0..o.nodes {
         tokio::time::sleep_until(begun + every * i as u32).await;
         // Every earlier node, as the Kubernetes bootstrap lists every pod; Ferry dials a few.
@@ -477,8 +487,14 @@ async fn run(o: Options) -> serde_json::Value {
     );
 
     let fields = match o.scenario.as_str() {
-        "partition" => Some(partition::run(&nodes, &o, &sim.net, &mut rng).await),
-        "churn" => Some(churn::run(&sim, &mut nodes, &o, &mut rng).await),
+        "partition" => {
+            memory::phase("the partition");
+            Some(partition::run(&nodes, &o, &sim.net, &mut rng).await)
+        }
+        "churn" => {
+            memory::phase("the churn");
+            Some(churn::run(&sim, &mut nodes, &o, &mut rng).await)
+        }
         _ => None,
     };
     if let Some(fields) = fields {
@@ -499,6 +515,7 @@ async fn run(o: Options) -> serde_json::Value {
     assert_eq!(o.scenario, "start", "--scenario: start, churn or partition");
 
     // Steady state: requests over a window.
+    memory::phase("the steady state");
     let before = dht_requests(&nodes);
     let before_kinds = requests_by_kind(&nodes);
     let walks_before_window = announce_walks(&nodes);
@@ -529,6 +546,7 @@ async fn run(o: Options) -> serde_json::Value {
         Value::Object(msgs_by_kind.clone())
     );
 
+    memory::phase("the lookups");
     let walks_before = provider_walks(&nodes);
     let mut found_ms = Vec::new();
     let mut missed = 0;
@@ -597,6 +615,7 @@ async fn run(o: Options) -> serde_json::Value {
         percentile(&mut absent_ms, 0.5),
         findable.as_secs_f64(),
     );
+    memory::phase("the storm");
     let storm = storm::run(&rollout, o.storm_digests, &mut rng).await;
     let mem = live_mib() / (o.nodes + 1) as f64;
     let heap_mib = heap::live_mib() / (o.nodes + 1) as f64;
@@ -647,6 +666,11 @@ fn main() {
         default_hook(info);
         eprintln!("the simulation failed: replay it with --seed {seed} (and the same options)");
     }));
+    if let Err(why) = memory::check_fits(o.nodes, o.digests, o.max_rss_mib) {
+        eprintln!("{why}");
+        std::process::exit(3);
+    }
+    memory::watch(o.max_rss_mib, seed);
     entropy::seed(o.seed);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
