@@ -583,6 +583,27 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         )
     };
     let msgs_default = per_round / (0.875 * DEFAULT_INTERVAL_S);
+    // The steady window's requests by kind, at the default interval as `msgs_default`.
+    let by_kind: serde_json::Map<String, Value> = DHT_REQUEST_KINDS
+        .iter()
+        .map(|kind| {
+            let of = |answers: &[Value]| -> f64 {
+                answers
+                    .iter()
+                    .map(|a| a["dht_requests_by_kind"][*kind].as_f64().unwrap_or(0.0))
+                    .sum()
+            };
+            let per_round = (of(&after) - of(&before)) / n as f64 / (secs / mean_round);
+            (
+                kind.to_string(),
+                json!(round3(per_round / (0.875 * DEFAULT_INTERVAL_S))),
+            )
+        })
+        .collect();
+    let by_kind = match from_first_round {
+        true => Value::Null,
+        false => Value::Object(by_kind),
+    };
     let rss_mib = sum(&after, "rss_kib") / 1024.0 / n as f64;
     let connections = connections_sum / samples as f64;
     // Since start: every node of the first start; restarted nodes add theirs below.
@@ -748,6 +769,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     out["walks_timed_out_per_node"] = json!(round3(sum(&after, "walks_timed_out") / n as f64));
     out["walks_converged_per_node"] = json!(round3(sum(&after, "walks_converged") / n as f64));
     out["batches_failed_per_node"] = json!(round3(sum(&after, "batches_failed") / n as f64));
+    out["announce_msgs_per_node_per_s_by_kind"] = by_kind;
     out["nodes_with_timed_out_walks"] = json!(timed_out.len());
     out["missed_owners_walks_timed_out"] = json!(
         missed_owners
@@ -934,6 +956,7 @@ fn stats(nodes: &Nodes) -> Value {
     let nodes = nodes.lock().unwrap();
     let mut pending = 0i64;
     let mut requests = 0u64;
+    let mut by_kind = serde_json::Map::new();
     let mut connections = 0usize;
     let mut connections_max = 0usize;
     let mut alone = 0usize;
@@ -974,11 +997,14 @@ fn stats(nodes: &Nodes) -> Value {
         rested += n.metrics.announcements_rested.get();
         early += n.metrics.announce_rounds_early.get();
         for kind in DHT_REQUEST_KINDS {
-            requests += n
+            let count = n
                 .metrics
                 .dht_requests
                 .get_or_create(&DhtLabels { kind })
                 .get();
+            requests += count;
+            let total = by_kind.entry(kind).or_insert(json!(0u64));
+            *total = json!(total.as_u64().unwrap_or(0) + count);
         }
         let c = n.router.connected_peers();
         connections += c;
@@ -990,6 +1016,7 @@ fn stats(nodes: &Nodes) -> Value {
         json!({
             "pending": pending,
             "dht_requests": requests,
+            "dht_requests_by_kind": by_kind,
             "connections": connections,
             "connections_max": connections_max,
             "alone": alone,
