@@ -583,6 +583,10 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
         )
     };
     let msgs_default = per_round / (0.875 * DEFAULT_INTERVAL_S);
+    // The same over the rounds the nodes counted in the window: where rounds fall in a short
+    // window moves the window's figure by up to a round a node, this one not.
+    let rounds = sum(&after, "rounds") - sum(&before, "rounds");
+    let per_counted_round = received / rounds;
     // The steady window's requests by kind, at the default interval as `msgs_default`.
     let by_kind: serde_json::Map<String, Value> = DHT_REQUEST_KINDS
         .iter()
@@ -770,6 +774,10 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     out["walks_converged_per_node"] = json!(round3(sum(&after, "walks_converged") / n as f64));
     out["batches_failed_per_node"] = json!(round3(sum(&after, "batches_failed") / n as f64));
     out["announce_msgs_per_node_per_s_by_kind"] = by_kind;
+    out["announce_rounds_per_node_in_window"] = json!(round3(rounds / n as f64));
+    out["announce_msgs_per_counted_round"] = json!(round3(per_counted_round));
+    out["announce_msgs_per_node_per_s_counted_rounds"] =
+        json!(round3(per_counted_round / (0.875 * DEFAULT_INTERVAL_S)));
     out["nodes_with_timed_out_walks"] = json!(timed_out.len());
     out["missed_owners_walks_timed_out"] = json!(
         missed_owners
@@ -962,6 +970,7 @@ fn stats(nodes: &Nodes) -> Value {
     let mut alone = 0usize;
     let mut rested = 0u64;
     let mut early = 0u64;
+    let mut rounds = 0u64;
     let mut dials = 0u64;
     // Announcement walks and batches by outcome; each node's timed-out walks, by start order.
     let (mut converged, mut walks_timed_out, mut delivered, mut failed) = (0u64, 0u64, 0u64, 0u64);
@@ -996,6 +1005,7 @@ fn stats(nodes: &Nodes) -> Value {
         dials += n.metrics.bootstrap_dials.get();
         rested += n.metrics.announcements_rested.get();
         early += n.metrics.announce_rounds_early.get();
+        rounds += n.metrics.announce_rounds.get();
         for kind in DHT_REQUEST_KINDS {
             let count = n
                 .metrics
@@ -1022,6 +1032,7 @@ fn stats(nodes: &Nodes) -> Value {
             "alone": alone,
             "rested": rested,
             "early_rounds": early,
+            "rounds": rounds,
             "bootstrap_dials": dials,
             "unstarted": UNSTARTED.load(Ordering::SeqCst),
             "rss_kib": rss_kib(),

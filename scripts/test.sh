@@ -47,6 +47,11 @@ differ = {k: (a[k], b.get(k)) for k in a if k not in machine and a[k] != b.get(k
 assert not differ, f"the same seed gave other figures: {differ}"
 assert a["lookups_missed"] == 0 and a["findable_after_start_s"] >= 0, a
 assert a["storm_leaders_per_digest_max"] >= 1 and a["storm_alone_decisions"] == 0, a
+# Two intervals after the join hold exactly two rounds a node: the rate over those rounds is
+# the window's x 1200 / (2 x 525), not the window's (which reads 12.5% low).
+assert a["announce_rounds_per_node_in_window"] == 2.0, a
+rate, window = a["announce_msgs_per_node_per_s"], a["announce_msgs_per_node_per_s_window"]
+assert rate > 0 and abs(rate - window * 8 / 7) < 1e-9 * rate, a
 print(f"the same figures twice: {len(a)} fields")
 PY
 # Scenario (d): a 60 s partition. Once it heals, one leader per digest and every lookup across

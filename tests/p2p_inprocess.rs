@@ -828,6 +828,7 @@ async fn when_the_network_grows_fourfold_the_first_nodes_keys_move_to_the_new_cl
         }
     }
     assert_eq!(nodes[0].metrics.announce_rounds_early.get(), 1);
+    assert_eq!(nodes[0].metrics.announce_rounds.get(), 1);
     for n in nodes {
         stop(n).await;
     }

@@ -5,7 +5,8 @@
 //! long the machine took.
 //!
 //! `cargo run --release -- [--nodes 30] [--digests 1000] [--seed 1] [--latency-ms 1]
-//! [--join-s 60] [--lookups 200] [--shared 0.8] [--interval-s 600] [--loss 0]`: scenario (a),
+//! [--join-s 60] [--lookups 200] [--shared 0.8] [--interval-s 600] [--window-s 1200] [--loss 0]`:
+//! scenario (a),
 //! the start:
 //! N nodes join over `--join-s` and announce their digests (`--shared` of them every node's, the
 //! rest its own: the real-socket simulation's keys); then lookups of other nodes' own keys and
@@ -51,6 +52,8 @@ static HEAP: heap::Counting = heap::Counting;
 
 const P2P_PORT: u16 = 5482;
 const HTTP_PORT: u16 = 5481;
+/// A round starts 75-100% of the interval after the last (`announcer.rs`): 0.875 on average.
+const MEAN_ROUND: f64 = 0.875;
 
 struct Options {
     nodes: usize,
@@ -61,8 +64,9 @@ struct Options {
     lookups: usize,
     /// Keys every node holds (the base images every node runs), as a fraction of `digests`.
     shared: f64,
-    /// Re-announcement interval.
+    /// Re-announcement interval, and the steady state's window (two intervals unless given).
     interval: Duration,
+    window: Duration,
     /// The share of writes that lose a segment (each then arrives 200 ms late) and of dials
     /// that lose their SYN (resent after 1 s).
     loss: f64,
@@ -88,11 +92,13 @@ struct Options {
 fn options() -> Options {
     let args: Vec<String> = std::env::args().collect();
     let value = |flag: &str, default: &str| {
+        // The last occurrence, so a flag given again overrides the first.
         args.iter()
-            .position(|a| a == flag)
+            .rposition(|a| a == flag)
             .and_then(|i| args.get(i + 1).cloned())
             .unwrap_or_else(|| default.to_string())
     };
+    let interval = Duration::from_secs(value("--interval-s", "600").parse().expect("--interval-s"));
     Options {
         nodes: value("--nodes", "30").parse().expect("--nodes"),
         digests: value("--digests", "1000").parse().expect("--digests"),
@@ -106,7 +112,11 @@ fn options() -> Options {
         join: Duration::from_secs(value("--join-s", "60").parse().expect("--join-s")),
         lookups: value("--lookups", "200").parse().expect("--lookups"),
         shared: value("--shared", "0.8").parse().expect("--shared"),
-        interval: Duration::from_secs(value("--interval-s", "600").parse().expect("--interval-s")),
+        interval,
+        window: match args.iter().any(|a| a == "--window-s") {
+            true => Duration::from_secs(value("--window-s", "").parse().expect("--window-s")),
+            false => interval * 2,
+        },
         loss: value("--loss", "0").parse().expect("--loss"),
         storm_digests: value("--storm-digests", "10")
             .parse()
@@ -337,6 +347,11 @@ fn announce_batches(nodes: &[Node]) -> [u64; 3] {
     })
 }
 
+/// Announcement rounds started, summed over the nodes.
+fn announce_rounds(nodes: &[Node]) -> u64 {
+    nodes.iter().map(|n| n.metrics.announce_rounds.get()).sum()
+}
+
 fn dht_requests(nodes: &[Node]) -> u64 {
     requests_by_kind(nodes).iter().sum()
 }
@@ -519,7 +534,8 @@ async fn run(o: Options) -> serde_json::Value {
     let before = dht_requests(&nodes);
     let before_kinds = requests_by_kind(&nodes);
     let walks_before_window = announce_walks(&nodes);
-    let window = interval * 2;
+    let rounds_before = announce_rounds(&nodes);
+    let window = o.window;
     tokio::time::sleep(window).await;
     // What a node holds between rollouts, before the lookups and the storm open connections.
     let steady_mem = live_mib() / o.nodes as f64;
@@ -529,7 +545,15 @@ async fn run(o: Options) -> serde_json::Value {
         "steady after {:.0} s wall: {steady_mem:.1} MiB/node live ({steady_heap:.1} heap), {steady_connections:.1} connections/node",
         wall.elapsed().as_secs_f64(),
     );
-    let msgs = (dht_requests(&nodes) - before) as f64 / o.nodes as f64 / window.as_secs_f64();
+    // A window holds whole rounds, so where rounds fall in it moves its rate by up to a round
+    // a node (two intervals after the join hold exactly two: 12.5% under the mean round's
+    // rate). Requests over the rounds started in the window do not depend on that.
+    let rounds = (announce_rounds(&nodes) - rounds_before) as f64;
+    let mean_round = MEAN_ROUND * interval.as_secs_f64();
+    let received = (dht_requests(&nodes) - before) as f64;
+    let per_round = received / rounds;
+    let msgs = per_round / mean_round;
+    let msgs_window = received / o.nodes as f64 / window.as_secs_f64();
     let announce_walk_rate = (announce_walks(&nodes) - walks_before_window) as f64
         / o.nodes as f64
         / window.as_secs_f64();
@@ -537,13 +561,14 @@ async fn run(o: Options) -> serde_json::Value {
         .iter()
         .zip(requests_by_kind(&nodes).iter().zip(&before_kinds))
         .map(|(kind, (after, before))| {
-            let rate = (after - before) as f64 / o.nodes as f64 / window.as_secs_f64();
+            let rate = (after - before) as f64 / rounds / mean_round;
             (kind.to_string(), json!(rate))
         })
         .collect();
     eprintln!(
-        "steady requests per node per s: {msgs:.2} {}",
-        Value::Object(msgs_by_kind.clone())
+        "steady requests per node per s: {msgs:.3} {} over {:.2} rounds a node ({per_round:.1} requests a round; {msgs_window:.3} over the window)",
+        Value::Object(msgs_by_kind.clone()),
+        rounds / o.nodes as f64,
     );
 
     memory::phase("the lookups");
@@ -634,6 +659,10 @@ async fn run(o: Options) -> serde_json::Value {
         "notfound_walk_dials": per_walk(1, 2),
         "announce_msgs_per_node_per_s": msgs,
         "announce_msgs_per_node_per_s_by_kind": msgs_by_kind,
+        "announce_msgs_per_node_per_s_window": msgs_window,
+        "announce_rounds_per_node_in_window": rounds / o.nodes as f64,
+        "announce_msgs_per_counted_round": per_round,
+        "steady_window_s": window.as_secs(),
         "announce_walks_per_node_per_s": announce_walk_rate,
         "announce_batches_per_node": announce_batches(&nodes).map(|b| b as f64 / (o.nodes + 1) as f64),
         "first_round_msgs_per_node": first_round,

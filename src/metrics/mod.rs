@@ -180,6 +180,7 @@ pub struct Metrics {
     pub sync_images_walked: Family<ReasonLabels, Counter>,
     pub announcements_pending: Gauge,
     pub announcements_rested: Counter,
+    pub announce_rounds: Counter,
     pub announce_rounds_early: Counter,
     pub announce_walks: Family<OutcomeLabels, Counter>,
     pub announce_batches: Family<OutcomeLabels, Counter>,
@@ -250,6 +251,7 @@ impl Metrics {
         let sync_images_walked = Family::<ReasonLabels, Counter>::default();
         let announcements_pending = Gauge::default();
         let announcements_rested = Counter::default();
+        let announce_rounds = Counter::default();
         let announce_rounds_early = Counter::default();
         let announce_walks = Family::<OutcomeLabels, Counter>::default();
         let announce_batches = Family::<OutcomeLabels, Counter>::default();
@@ -351,6 +353,11 @@ impl Metrics {
             "announcements_rested",
             "Key announcements skipped in a round because the key's storing nodes already held 20 other providers for it",
             announcements_rested.clone(),
+        );
+        registry.register(
+            "announce_rounds",
+            "Announcement rounds started after a node's first announcement, early ones included",
+            announce_rounds.clone(),
         );
         registry.register(
             "announce_rounds_early",
@@ -550,6 +557,7 @@ impl Metrics {
             sync_images_walked,
             announcements_pending,
             announcements_rested,
+            announce_rounds,
             announce_rounds_early,
             announce_walks,
             announce_batches,

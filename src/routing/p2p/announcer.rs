@@ -157,6 +157,7 @@ impl Announcer {
             }
             self.resting.round_started();
             self.metrics.announcements_rested.inc_by(rested);
+            self.metrics.announce_rounds.inc();
             self.next_round = now + round_wait(&self.timing, &self.random, self.draws);
             self.draws += 1;
         }
