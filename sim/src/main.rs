@@ -535,6 +535,7 @@ async fn run(o: Options) -> serde_json::Value {
     let before_kinds = requests_by_kind(&nodes);
     let walks_before_window = announce_walks(&nodes);
     let rounds_before = announce_rounds(&nodes);
+    let hops_before = announce_hops(&nodes);
     let window = o.window;
     tokio::time::sleep(window).await;
     // What a node holds between rollouts, before the lookups and the storm open connections.
@@ -565,8 +566,11 @@ async fn run(o: Options) -> serde_json::Value {
             (kind.to_string(), json!(rate))
         })
         .collect();
+    let hops_per_round: Vec<f64> = (announce_hops(&nodes).iter().zip(hops_before))
+        .map(|(after, before)| (after - before) as f64 / rounds)
+        .collect();
     eprintln!(
-        "steady requests per node per s: {msgs:.3} {} over {:.2} rounds a node ({per_round:.1} requests a round; {msgs_window:.3} over the window)",
+        "steady requests per node per s: {msgs:.3} {} over {:.2} rounds a node ({per_round:.1} requests a round, hops (planned, confirmed, walked) {hops_per_round:.1?} a round; {msgs_window:.3} over the window)",
         Value::Object(msgs_by_kind.clone()),
         rounds / o.nodes as f64,
     );
@@ -662,6 +666,7 @@ async fn run(o: Options) -> serde_json::Value {
         "announce_msgs_per_node_per_s_window": msgs_window,
         "announce_rounds_per_node_in_window": rounds / o.nodes as f64,
         "announce_msgs_per_counted_round": per_round,
+        "announce_hops_per_counted_round": hops_per_round,
         "steady_window_s": window.as_secs(),
         "announce_walks_per_node_per_s": announce_walk_rate,
         "announce_batches_per_node": announce_batches(&nodes).map(|b| b as f64 / (o.nodes + 1) as f64),
