@@ -1,7 +1,7 @@
 //! The run's memory bound: a run that cannot fit stops saying why, not by the kernel's OOM
 //! killer an hour in. Before it starts, the nodes' heap alone must fit; while it runs, a thread
 //! stops it once resident memory passes the bound (`--max-rss-mib`, default 90% of what the
-//! machine has available at the start).
+//! machine has available at the start) or the machine runs short.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -39,14 +39,22 @@ pub fn largest_fitting(bound_mib: f64, digests: usize) -> usize {
     low
 }
 
+/// A `/proc/meminfo` field, in MiB.
+fn meminfo_mib(field: &str) -> Option<f64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with(field))?;
+    Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? / 1024.0)
+}
+
 /// 90% of `MemAvailable`, in MiB.
 pub fn default_bound_mib() -> f64 {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    meminfo
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .map_or(f64::MAX, |kib| kib / 1024.0 * 0.9)
+    meminfo_mib("MemAvailable:").map_or(f64::MAX, |mib| mib * 0.9)
+}
+
+/// What the machine must keep available whatever the bound: the run is not the only thing
+/// that grows (beside a 1,000-node storm the rest of the machine took 3 GiB more).
+fn machine_floor_mib(total_mib: f64) -> f64 {
+    (total_mib * 0.05).max(512.0)
 }
 
 /// Refuses a run whose heap alone would pass `bound_mib`, naming the largest that fits.
@@ -66,21 +74,33 @@ pub fn check_fits(nodes: usize, digests: usize, bound_mib: f64) -> Result<(), St
     ))
 }
 
-/// Stops the process once its resident memory passes `bound_mib`.
+/// Stops the process once its resident memory passes `bound_mib`, or the machine's available
+/// memory falls under its floor.
 pub fn watch(bound_mib: f64, seed: u64) {
+    let floor = machine_floor_mib(meminfo_mib("MemTotal:").unwrap_or(0.0));
     std::thread::spawn(move || {
         loop {
             std::thread::sleep(Duration::from_secs(1));
             let rss = crate::status_mib("VmRSS:");
-            if rss > bound_mib {
-                eprintln!(
-                    "the simulation stopped: {rss:.0} MiB resident passed the bound of \
-                     {bound_mib:.0} MiB (--max-rss-mib) during {}; the lines above stand; \
-                     replay it with --seed {seed} (and the same options)",
-                    PHASE.lock().unwrap()
-                );
-                std::process::exit(3);
-            }
+            let available = meminfo_mib("MemAvailable:").unwrap_or(f64::MAX);
+            let why = if rss > bound_mib {
+                format!(
+                    "{rss:.0} MiB resident passed the bound of {bound_mib:.0} MiB (--max-rss-mib)"
+                )
+            } else if available < floor {
+                format!(
+                    "the machine had {available:.0} MiB available, under its floor of \
+                     {floor:.0} MiB, with {rss:.0} MiB resident here"
+                )
+            } else {
+                continue;
+            };
+            eprintln!(
+                "the simulation stopped: {why} during {}; the lines above stand; replay it \
+                 with --seed {seed} (and the same options)",
+                PHASE.lock().unwrap()
+            );
+            std::process::exit(3);
         }
     });
 }
@@ -111,5 +131,11 @@ mod tests {
         assert!(check_fits(n, 10_000, bound).is_ok());
         let refused = check_fits(5000, 10_000, bound).unwrap_err();
         assert!(refused.contains(&format!("about {n} nodes")), "{refused}");
+    }
+
+    #[test]
+    fn the_machine_keeps_a_twentieth_and_at_least_512_mib() {
+        assert!((machine_floor_mib(23_000.0) - 1150.0).abs() < 1e-6);
+        assert_eq!(machine_floor_mib(4_000.0), 512.0);
     }
 }
