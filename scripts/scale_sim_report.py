@@ -25,7 +25,7 @@ cols = [("nodes", "nodes"), ("digests_per_node", "digests"), ("lookup_ms_p50", "
         ("findable_after_start_s", "findable s"), ("storm_leaders_per_digest_mean", "leaders mean"),
         ("storm_leaders_per_digest_max", "leaders max"), ("storm_last_node_s_max", "storm last node s"),
         ("wall_s", "wall s")]
-fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+fmt = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 print("| " + " | ".join(c[1] for c in cols) + " |")
 print("|" + "---|" * len(cols))
 for r in runs:

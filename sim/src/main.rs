@@ -694,6 +694,11 @@ async fn run(o: Options) -> serde_json::Value {
 
 fn main() {
     let o = options();
+    // Each scenario ends in a storm and a lookup needs another node to ask.
+    if o.storm_digests == 0 || o.nodes < 2 {
+        eprintln!("--storm-digests must be at least 1 and --nodes at least 2");
+        std::process::exit(2);
+    }
     let seed = o.seed;
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
