@@ -62,6 +62,8 @@ const HTTP_BASE: u16 = 40_000;
 /// The interval a production node re-announces at (`--reprovide-interval`), whose mean round
 /// (75-100% of it) the steady-state traffic is scaled to.
 const DEFAULT_INTERVAL_S: f64 = 600.0;
+/// A round starts 75-100% of the interval after the last (`announcer.rs`): 0.875 on average.
+const MEAN_ROUND: f64 = 0.875;
 /// Between two lookups of one worker process (about 50 lookups a second per process).
 const LOOKUP_GAP: Duration = Duration::from_millis(20);
 /// Ferry's default `--resolve-timeout`: a pull waits this long for a lookup's first provider,
@@ -562,7 +564,8 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     let bytes_after = ns.lo_bytes();
     let received = sum(&after, "dht_requests") - sum(&before, "dht_requests");
     let secs = window.as_secs_f64();
-    let mean_round = 0.875 * opts.interval_s as f64;
+    let mean_round = MEAN_ROUND * opts.interval_s as f64;
+    let default_round = MEAN_ROUND * DEFAULT_INTERVAL_S;
     // Per node per round, then at the default interval's mean round.
     // Per node and round: over the window's rounds, or the first round's (nothing rests then).
     let window_per_round =
@@ -582,7 +585,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
             window_per_round("rested"),
         )
     };
-    let msgs_default = per_round / (0.875 * DEFAULT_INTERVAL_S);
+    let msgs_default = per_round / default_round;
     // The same over the rounds the nodes counted in the window: where rounds fall in a short
     // window moves the window's figure by up to a round a node, this one not.
     let rounds = sum(&after, "rounds") - sum(&before, "rounds");
@@ -598,10 +601,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
                     .sum()
             };
             let per_round = (of(&after) - of(&before)) / n as f64 / (secs / mean_round);
-            (
-                kind.to_string(),
-                json!(round3(per_round / (0.875 * DEFAULT_INTERVAL_S))),
-            )
+            (kind.to_string(), json!(round3(per_round / default_round)))
         })
         .collect();
     let by_kind = match from_first_round {
@@ -777,7 +777,7 @@ fn run(ns: &Netns, opts: &Options, n: usize) -> Value {
     out["announce_rounds_per_node_in_window"] = json!(round3(rounds / n as f64));
     out["announce_msgs_per_counted_round"] = json!(round3(per_counted_round));
     out["announce_msgs_per_node_per_s_counted_rounds"] =
-        json!(round3(per_counted_round / (0.875 * DEFAULT_INTERVAL_S)));
+        json!(round3(per_counted_round / default_round));
     out["nodes_with_timed_out_walks"] = json!(timed_out.len());
     out["missed_owners_walks_timed_out"] = json!(
         missed_owners
