@@ -42,7 +42,9 @@ impl Ingest {
                 let dir = entry.path();
                 let r = std::fs::read_to_string(dir.join("ref")).ok()?;
                 let r = r.trim().to_string();
-                if !r.ends_with(&suffix) {
+                // containerd writes `ref` and `total` before it creates `data`: until then
+                // there is nothing to read.
+                if !r.ends_with(&suffix) || !dir.join("data").exists() {
                     return None;
                 }
                 let total = std::fs::read_to_string(dir.join("total"))
@@ -260,6 +262,25 @@ mod tests {
             next: AtomicUsize::new(1),
         };
         conformance::check_downloads(&store(tmp.path()), &driver).await;
+    }
+
+    #[tokio::test]
+    async fn a_download_is_found_once_its_data_file_exists() {
+        let tmp = tempfile::tempdir().unwrap();
+        let bytes = vec![3u8; 4000];
+        let digest = Digest::sha256_of(&bytes);
+        let dir = tmp.path().join("ingest/0001");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("ref"), format!("k8s.io/1/layer-{digest}")).unwrap();
+        std::fs::write(dir.join("total"), bytes.len().to_string()).unwrap();
+        let store = store(tmp.path());
+        assert!(store.downloads(&digest, Scope::Namespace).await.is_empty());
+        std::fs::write(dir.join("data"), &bytes[..10]).unwrap();
+        let Landing::InFlight(found) = wait_for(&store, &digest, Duration::ZERO).await else {
+            panic!("found once data exists");
+        };
+        let mut stream = found.read_from(0, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(stream.next().await.unwrap().unwrap().len(), 10);
     }
 
     #[tokio::test]
