@@ -98,9 +98,19 @@ fn start_from(
     (p2p, http): (SocketAddr, SocketAddr),
     (bootstrap, configured): (Arc<dyn Bootstrap>, bool),
     psk: Option<[u8; 32]>,
-    (timing, idle_timeout): (ProvideTiming, Duration),
+    timing: (ProvideTiming, Duration),
 ) -> Node {
-    let config = P2pConfig {
+    let config = config_of(data_dir, (p2p, http), psk, timing);
+    launch(config, (bootstrap, configured))
+}
+
+fn config_of(
+    data_dir: &std::path::Path,
+    (p2p, http): (SocketAddr, SocketAddr),
+    psk: Option<[u8; 32]>,
+    (timing, idle_timeout): (ProvideTiming, Duration),
+) -> P2pConfig {
+    P2pConfig {
         psk,
         data_dir: data_dir.to_path_buf(),
         listen: p2p,
@@ -113,7 +123,15 @@ fn start_from(
         idle_timeout,
         caps: ConnectionCaps::default(),
         draws_seed: None,
-    };
+    }
+}
+
+fn launch(config: P2pConfig, (bootstrap, configured): (Arc<dyn Bootstrap>, bool)) -> Node {
+    let (p2p, http, data_dir) = (
+        config.listen,
+        config.peer_http_addr,
+        config.data_dir.clone(),
+    );
     let token = CancellationToken::new();
     let metrics = Arc::new(Metrics::new());
     let (router, task) = P2pRouter::start(
@@ -131,7 +149,7 @@ fn start_from(
         task,
         p2p,
         http,
-        data_dir: data_dir.to_path_buf(),
+        data_dir,
         metrics,
     }
 }
@@ -382,6 +400,44 @@ fn connected_pairs(nodes: &[Node]) -> usize {
         .map(|n| n.router.connected_peers())
         .sum::<usize>()
         / 2
+}
+
+fn connected(node: &Node, to: &Node) -> bool {
+    let id = to.router.peer_id().to_base58();
+    node.router.connected_since(&id).is_some()
+}
+
+/// A node at its established cap refuses another member's connection, and takes it once one
+/// of its connections closes (the refused node's bootstrap retries meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_at_its_connection_cap_refuses_more_and_takes_one_once_a_slot_frees() {
+    let tmp = tempfile::tempdir().unwrap();
+    let addr = || SocketAddr::new(LOOPBACK, free_port());
+    let timing = (TIMING, IDLE_CONNECTION_TIMEOUT);
+    let mut capped = config_of(&tmp.path().join("a"), (addr(), addr()), None, timing);
+    capped.caps.established = 1;
+    let seed = capped.listen;
+    let a = launch(capped, (Arc::new(StaticBootstrap { addrs: vec![] }), false));
+    let b = start(&tmp.path().join("b"), addr(), addr(), &[seed]);
+    eventually("b connects to a", || {
+        let both = a.router.connected_peers() == 1 && b.router.connected_peers() == 1;
+        async move { both }
+    })
+    .await;
+    let c = start(&tmp.path().join("c"), addr(), addr(), &[seed]);
+    // c's dials reach a's handshake and are refused after it, several times by now.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(a.router.connected_peers(), 1, "a holds its one connection");
+    assert!(connected(&a, &b), "still b's");
+    stop(b).await;
+    eventually("c takes the freed slot", || {
+        let taken = connected(&a, &c);
+        async move { taken }
+    })
+    .await;
+    assert_eq!(a.router.connected_peers(), 1);
+    stop(c).await;
+    stop(a).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

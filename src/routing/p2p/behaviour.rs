@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use libp2p::connection_limits::{self, ConnectionLimits};
 use libp2p::identity::Keypair;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{StreamProtocol, identify, kad, request_response};
@@ -13,7 +12,7 @@ use libp2p::{StreamProtocol, identify, kad, request_response};
 use super::announce_plan::{ProvideAck, ProvideBatch};
 use super::draws::Draws;
 use super::store::ProviderStore;
-use super::{ConnectionCaps, anchors, per_ip};
+use super::{ConnectionCaps, anchors, caps, per_ip};
 
 pub(super) const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/ferry/kad/1.0.0");
 /// Peers speaking another identify version are not added to the DHT.
@@ -38,7 +37,7 @@ pub(super) const PARALLELISM: usize = 5;
 #[derive(NetworkBehaviour)]
 pub(super) struct Behaviour {
     // First, so that a refused connection reaches no other behaviour.
-    pub limits: connection_limits::Behaviour,
+    pub caps: caps::Behaviour,
     pub per_ip: per_ip::Behaviour,
     pub kad: kad::Behaviour<ProviderStore>,
     pub identify: identify::Behaviour,
@@ -103,12 +102,8 @@ impl Behaviour {
             [(PROVIDE_PROTOCOL, request_response::ProtocolSupport::Full)],
             request_response::Config::default().with_request_timeout(QUERY_TIMEOUT),
         );
-        let count = |n: usize| Some(u32::try_from(n).unwrap_or(u32::MAX));
-        let limits = ConnectionLimits::default()
-            .with_max_pending_incoming(count(caps.pending_incoming))
-            .with_max_established(count(caps.established));
         Behaviour {
-            limits: connection_limits::Behaviour::new(limits),
+            caps: caps::Behaviour::new(&caps),
             per_ip: per_ip::Behaviour::new(caps.per_ip),
             kad,
             identify,

@@ -7,6 +7,7 @@ mod anchors;
 mod announce_plan;
 mod announcer;
 mod behaviour;
+mod caps;
 mod closest;
 #[cfg(feature = "test-support")]
 mod delay;
