@@ -204,7 +204,18 @@ impl Announcer {
         if self.growth.baseline().is_none() && !self.provided.is_empty() && self.idle() {
             self.growth.round_ended(estimate_size(swarm));
         }
+        if self.idle() {
+            self.release_round();
+        }
         self.update_gauge();
+    }
+
+    /// A round's maps grow to a slot per node met; between rounds they hold nothing.
+    fn release_round(&mut self) {
+        self.walks.shrink_to_fit();
+        self.outbox.shrink_to_fit();
+        self.batches.shrink_to_fit();
+        self.hops.shrink_to_fit();
     }
 
     fn in_flight(&self) -> usize {
