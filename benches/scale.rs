@@ -47,8 +47,8 @@ use ferry::registry::peer::{DEFAULT_RESOLVE_TIMEOUT_MAX, ResolveBound};
 use ferry::routing::ContentRouting;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
-    ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter,
-    ProvideTiming, REPLICAS,
+    ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, NODES_PER_INTERVAL,
+    P2pConfig, P2pRouter, ProvideTiming, REPLICAS,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -832,6 +832,7 @@ fn worker(args: &[String]) {
             ttl: interval * 3,
             interval,
             replicas: REPLICAS,
+            nodes_per_interval: NODES_PER_INTERVAL,
         },
         latency: Some(Duration::from_secs_f64(
             args[6].parse::<f64>().unwrap() / 1000.0,

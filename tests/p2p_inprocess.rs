@@ -15,8 +15,8 @@ use ferry::metrics::{DhtLabels, DirectionLabels, Metrics, OutcomeLabels};
 use ferry::ops::problems::Problems;
 use ferry::routing::bootstrap::{Bootstrap, StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
-    ANCHORS, ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig,
-    P2pRouter, ProvideTiming, REPLICAS,
+    ANCHORS, ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, NODES_PER_INTERVAL,
+    P2pConfig, P2pRouter, ProvideTiming, REPLICAS,
 };
 use ferry::routing::{ContentRouting, Peer};
 use ferry::trust::ClusterSecret;
@@ -31,6 +31,7 @@ const TIMING: ProvideTiming = ProvideTiming {
     ttl: Duration::from_secs(3),
     interval: Duration::from_secs(1),
     replicas: REPLICAS,
+    nodes_per_interval: NODES_PER_INTERVAL,
 };
 /// Bound for anything eventually true; generous for a loaded CI machine.
 const EVENTUALLY: Duration = Duration::from_secs(20);
@@ -214,6 +215,60 @@ async fn providers(router: &P2pRouter, key: &str) -> Vec<Peer> {
     .await;
     assert!(ended.is_ok(), "a lookup for {key} never ended");
     found
+}
+
+/// Beyond `nodes_per_interval` nodes rounds are spaced out in proportion, and records are
+/// still renewed before they lapse: 4 nodes at 1 a 1 s interval announce every 4 s, within
+/// 80% of the 6 s lifetime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_its_size_a_network_announces_less_often_and_every_key_stays_found() {
+    let _many = MANY_NODES.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let timing = ProvideTiming {
+        ttl: Duration::from_secs(6),
+        interval: Duration::from_secs(1),
+        replicas: REPLICAS,
+        nodes_per_interval: 1,
+    };
+    let nodes = cluster_with(tmp.path(), 4, timing).await;
+    let key = |i: usize| format!("sha256:spaced-out-{i}");
+    for (i, n) in nodes.iter().enumerate() {
+        n.router.advertise(vec![key(i)]).await.unwrap();
+    }
+    eventually("every node spaces its rounds for 4 nodes", || {
+        let all = nodes.iter().all(|n| n.metrics.announce_interval.get() == 4);
+        async move { all }
+    })
+    .await;
+    let rounds = || {
+        nodes
+            .iter()
+            .map(|n| n.metrics.announce_rounds.get())
+            .sum::<u64>()
+    };
+    let (before, start) = (rounds(), Instant::now());
+    // Three lifetimes: found throughout only if every renewal came in time.
+    for _ in 0..9 {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        for (i, provider) in nodes.iter().enumerate() {
+            let asker = &nodes[(i + 1) % nodes.len()];
+            let found = providers(&asker.router, &key(i)).await;
+            assert!(
+                found.iter().any(|p| p.addr == provider.http),
+                "key {i} found"
+            );
+        }
+    }
+    // Rounds 3 to 4 s apart: at most one a node per 3 s and one more; at 1 s, three times that.
+    let (spaced, elapsed) = (rounds() - before, start.elapsed().as_secs_f64());
+    let most = 4.0 * (elapsed / 3.0 + 1.0);
+    assert!(
+        spaced as f64 <= most,
+        "{spaced} rounds in {elapsed:.0} s from 4 nodes: at most {most:.0} 4 s apart"
+    );
+    for n in nodes {
+        stop(n).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -450,6 +505,7 @@ async fn idle_connections_close_yet_every_node_keeps_a_few_peers_and_finds_every
         ttl: Duration::from_secs(600),
         interval: Duration::from_secs(300),
         replicas: REPLICAS,
+        nodes_per_interval: NODES_PER_INTERVAL,
     };
     let tmp = tempfile::tempdir().unwrap();
     let _one_at_a_time = MANY_NODES.lock().await;
@@ -617,6 +673,7 @@ async fn a_key_held_by_more_nodes_than_its_slots_rests_and_stays_found() {
     // rests at 1). The same proportions as 20 of 60 nodes, in a dozen.
     let timing = ProvideTiming {
         replicas: 4,
+        nodes_per_interval: NODES_PER_INTERVAL,
         ..TIMING
     };
     let nodes = cluster_with(tmp.path(), 12, timing).await;
@@ -701,6 +758,7 @@ async fn round_of_hops(settle: Duration, outcome: &'static str) {
     // No second round within the test: a key the first placed wrong stays missing.
     let timing = ProvideTiming {
         replicas: 2,
+        nodes_per_interval: NODES_PER_INTERVAL,
         ttl: Duration::from_secs(1_800),
         interval: Duration::from_secs(600),
     };
@@ -755,6 +813,7 @@ async fn after_a_round_to_every_node_only_the_anchors_stay_connected() {
         ttl: Duration::from_secs(3_600),
         interval: Duration::from_secs(1_200),
         replicas: 5,
+        nodes_per_interval: NODES_PER_INTERVAL,
     };
     let mut nodes = cluster_with(tmp.path(), 20, timing).await;
     let (p2p, http) = (
@@ -833,6 +892,7 @@ async fn when_the_network_grows_fourfold_the_first_nodes_keys_move_to_the_new_cl
         ttl: Duration::from_secs(3_600),
         interval: Duration::from_secs(1_200),
         replicas: 2,
+        nodes_per_interval: NODES_PER_INTERVAL,
     };
     let mut nodes = cluster_with(tmp.path(), 2, timing).await;
     let keys: Vec<String> = (0..40)
@@ -895,6 +955,7 @@ const ONE_ROUND: ProvideTiming = ProvideTiming {
     ttl: Duration::from_secs(3_600),
     interval: Duration::from_secs(1_200),
     replicas: REPLICAS,
+    nodes_per_interval: NODES_PER_INTERVAL,
 };
 
 /// A node in a process of its own (this test binary, running [`node_in_a_process`]), to be

@@ -5,7 +5,8 @@
 //! long the machine took.
 //!
 //! `cargo run --release -- [--nodes 30] [--digests 1000] [--seed 1] [--latency-ms 1]
-//! [--join-s 60] [--lookups 200] [--shared 0.8] [--interval-s 600] [--window-s 1200] [--loss 0]`:
+//! [--join-s 60] [--lookups 200] [--shared 0.8] [--interval-s 600] [--window-s 1200] [--loss 0]
+//! [--nodes-per-interval 4000]`:
 //! scenario (a),
 //! the start:
 //! N nodes join over `--join-s` and announce their digests (`--shared` of them every node's, the
@@ -39,8 +40,8 @@ use ferry::ops::problems::Problems;
 use ferry::routing::ContentRouting;
 use ferry::routing::bootstrap::{StaticBootstrap, tcp_multiaddr};
 use ferry::routing::p2p::{
-    ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter,
-    ProvideTiming, REPLICAS, TransportFactory,
+    ConnectionCaps, DEFAULT_BOOTSTRAP_DIALS, IDLE_CONNECTION_TIMEOUT, NODES_PER_INTERVAL,
+    P2pConfig, P2pRouter, ProvideTiming, REPLICAS, TransportFactory,
 };
 use libp2p::identity::Keypair;
 use serde_json::{Value, json};
@@ -87,6 +88,8 @@ struct Options {
     idle: Duration,
     /// Resident memory at which the run stops (`memory.rs`).
     max_rss_mib: f64,
+    /// Beyond this many nodes rounds are spaced out (Ferry's `spacing.rs`).
+    nodes_per_interval: usize,
 }
 
 fn options() -> Options {
@@ -141,6 +144,9 @@ fn options() -> Options {
             true => value("--max-rss-mib", "").parse().expect("--max-rss-mib"),
             false => memory::default_bound_mib(),
         },
+        nodes_per_interval: value("--nodes-per-interval", &NODES_PER_INTERVAL.to_string())
+            .parse()
+            .expect("--nodes-per-interval"),
         idle: match args.iter().any(|a| a == "--idle-s") {
             true => Duration::from_secs_f64(value("--idle-s", "").parse().expect("--idle-s")),
             false => IDLE_CONNECTION_TIMEOUT,
@@ -448,6 +454,7 @@ async fn run(o: Options) -> serde_json::Value {
             ttl: interval * 3,
             interval,
             replicas: REPLICAS,
+            nodes_per_interval: o.nodes_per_interval,
         },
         seed: o.seed,
         idle: o.idle,
@@ -550,7 +557,13 @@ async fn run(o: Options) -> serde_json::Value {
     // a node (two intervals after the join hold exactly two: 12.5% under the mean round's
     // rate). Requests over the rounds started in the window do not depend on that.
     let rounds = (announce_rounds(&nodes) - rounds_before) as f64;
-    let mean_round = MEAN_ROUND * interval.as_secs_f64();
+    // Rounds are spaced out beyond `--nodes-per-interval` nodes: the interval each node uses.
+    let in_effect = nodes
+        .iter()
+        .map(|n| n.metrics.announce_interval.get() as f64)
+        .sum::<f64>()
+        / o.nodes as f64;
+    let mean_round = MEAN_ROUND * in_effect;
     let received = (dht_requests(&nodes) - before) as f64;
     let per_round = received / rounds;
     let msgs = per_round / mean_round;
@@ -673,6 +686,8 @@ async fn run(o: Options) -> serde_json::Value {
         "first_round_msgs_per_node": first_round,
         "shared_fraction": o.shared,
         "interval_s": o.interval.as_secs(),
+        "interval_in_effect_s": in_effect,
+        "nodes_per_interval": o.nodes_per_interval,
         "mem_mib_per_node": mem,
         "mem_peak_mib_total": peak,
         "mem_mib_per_node_steady": steady_mem,

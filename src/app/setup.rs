@@ -19,7 +19,8 @@ use crate::registry::peer::PeerFetchConfig;
 use crate::routing::ContentRouting;
 use crate::routing::bootstrap::{Bootstrap, Bootstraps, DnsBootstrap, StaticBootstrap};
 use crate::routing::p2p::{
-    ConnectionCaps, IDLE_CONNECTION_TIMEOUT, P2pConfig, P2pRouter, PER_IP, ProvideTiming, REPLICAS,
+    ConnectionCaps, IDLE_CONNECTION_TIMEOUT, NODES_PER_INTERVAL, P2pConfig, P2pRouter, PER_IP,
+    ProvideTiming, REPLICAS,
 };
 use crate::routing::sync::SyncConfig;
 use crate::store::{ContentStore, Holder};
@@ -175,6 +176,7 @@ impl PeerSetup {
                     ttl: config.provide_ttl,
                     interval: config.reprovide_interval,
                     replicas: REPLICAS,
+                    nodes_per_interval: NODES_PER_INTERVAL,
                 },
                 psk: secret.as_ref().map(|s| s.pnet_key()),
                 #[cfg(feature = "test-support")]

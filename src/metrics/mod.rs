@@ -182,6 +182,7 @@ pub struct Metrics {
     pub announcements_rested: Counter,
     pub announce_rounds: Counter,
     pub announce_rounds_early: Counter,
+    pub announce_interval: Gauge,
     pub announce_walks: Family<OutcomeLabels, Counter>,
     pub announce_batches: Family<OutcomeLabels, Counter>,
     pub announce_hops: Family<OutcomeLabels, Counter>,
@@ -253,6 +254,7 @@ impl Metrics {
         let announcements_rested = Counter::default();
         let announce_rounds = Counter::default();
         let announce_rounds_early = Counter::default();
+        let announce_interval = Gauge::default();
         let announce_walks = Family::<OutcomeLabels, Counter>::default();
         let announce_batches = Family::<OutcomeLabels, Counter>::default();
         let announce_hops = Family::<OutcomeLabels, Counter>::default();
@@ -363,6 +365,11 @@ impl Metrics {
             "announce_rounds_early",
             "Announcement rounds started before their time because the network had grown fourfold since the last one (records placed then would be missed by lookups)",
             announce_rounds_early.clone(),
+        );
+        registry.register(
+            "announce_interval_seconds",
+            "The re-announcement interval in effect: the configured one, spaced out in proportion beyond 4,000 nodes (never past 80% of the records' lifetime)",
+            announce_interval.clone(),
         );
         registry.register(
             "announce_walks",
@@ -559,6 +566,7 @@ impl Metrics {
             announcements_rested,
             announce_rounds,
             announce_rounds_early,
+            announce_interval,
             announce_walks,
             announce_batches,
             announce_hops,

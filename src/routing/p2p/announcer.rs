@@ -4,6 +4,7 @@
 use crate::routing::clock::Instant;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use libp2p::kad::store::RecordStore;
 use libp2p::kad::{PeerInfo, ProviderRecord, QueryId, RecordKey};
@@ -20,6 +21,7 @@ use super::behaviour::{Behaviour, ProvideTiming};
 use super::draws::Draws;
 use super::growth::{Growth, network_size};
 use super::rest::Resting;
+use super::spacing;
 use super::sweep::{CONFIRM, Hop, answer, table_near};
 use crate::metrics::{DhtLabels, Metrics, OutcomeLabels};
 
@@ -30,9 +32,9 @@ const MAX_BATCHES_IN_FLIGHT: usize = 32;
 /// A table that gained a node this recently is still filling in, and so are its
 /// neighbours': a hop's answer may miss nodes that just joined, so each region's nearest
 /// nodes confirm it (`sweep.rs`).
-const SETTLING: std::time::Duration = std::time::Duration::from_secs(10);
+const SETTLING: Duration = Duration::from_secs(10);
 /// A walk that found nobody is retried after this long, not in a busy loop.
-const EMPTY_WALK_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
+const EMPTY_WALK_BACKOFF: Duration = Duration::from_secs(1);
 
 type ProvideEvent = request_response::Event<ProvideBatch, ProvideAck>;
 
@@ -81,7 +83,10 @@ pub(crate) struct Announcer {
 
 impl Announcer {
     pub(super) fn new(timing: ProvideTiming, metrics: Arc<Metrics>, random: Draws) -> Self {
-        let next_round = Instant::now() + round_wait(&timing, &random, 0);
+        let next_round = Instant::now() + round_wait(timing.interval, &random, 0);
+        metrics
+            .announce_interval
+            .set(timing.interval.as_secs() as i64);
         Announcer {
             timing,
             metrics,
@@ -102,7 +107,7 @@ impl Announcer {
         }
     }
 
-    pub(super) fn interval(&self) -> std::time::Duration {
+    pub(super) fn interval(&self) -> Duration {
         self.timing.interval
     }
 
@@ -146,6 +151,11 @@ impl Announcer {
         let early = !due && self.grown(swarm, now);
         if due || early {
             self.early = early;
+            // The network the last round placed its records in.
+            let interval = spacing::round_interval(&self.timing, self.growth.baseline());
+            self.metrics
+                .announce_interval
+                .set(interval.as_secs() as i64);
             self.growth.round_started();
             let mut rested = 0;
             for key in &self.provided {
@@ -158,7 +168,7 @@ impl Announcer {
             self.resting.round_started();
             self.metrics.announcements_rested.inc_by(rested);
             self.metrics.announce_rounds.inc();
-            self.next_round = now + round_wait(&self.timing, &self.random, self.draws);
+            self.next_round = now + round_wait(interval, &self.random, self.draws);
             self.draws += 1;
         }
         self.progress(swarm);
@@ -604,7 +614,7 @@ fn estimate_size(swarm: &mut Swarm<Behaviour>) -> f64 {
     network_size(&local, peers)
 }
 
-fn round_wait(timing: &ProvideTiming, random: &Draws, draw: u64) -> std::time::Duration {
+fn round_wait(interval: Duration, random: &Draws, draw: u64) -> Duration {
     let x = random.hash_one(draw) as f64 / u64::MAX as f64;
-    timing.interval.mul_f64(0.75 + 0.25 * x)
+    interval.mul_f64(0.75 + 0.25 * x)
 }

@@ -52,7 +52,14 @@ pub struct ProvideTiming {
     pub interval: Duration,
     /// [`REPLICAS`] in Ferry; tests lower it.
     pub replicas: usize,
+    /// Beyond this many nodes rounds are spaced out in proportion (`spacing.rs`);
+    /// [`NODES_PER_INTERVAL`] in Ferry, 0: never.
+    pub nodes_per_interval: usize,
 }
+
+/// Every node receives about one batch from each other node a round: 4,000 nodes a round
+/// every 10 minutes is under 8 batches a node a second.
+pub const NODES_PER_INTERVAL: usize = 4_000;
 
 /// Kademlia's replication factor (k).
 pub const REPLICAS: usize = 20;

@@ -20,6 +20,7 @@ mod key_check;
 mod peer_addrs;
 mod per_ip;
 mod rest;
+mod spacing;
 mod store;
 mod sweep;
 
@@ -44,7 +45,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use anchors::ANCHORS;
-pub use behaviour::{ProvideTiming, REPLICAS, agent_version, peer_addr_of};
+pub use behaviour::{NODES_PER_INTERVAL, ProvideTiming, REPLICAS, agent_version, peer_addr_of};
 pub use dials::DEFAULT_BOOTSTRAP_DIALS;
 
 use super::bootstrap::{Bootstrap, tcp_multiaddr};
