@@ -395,12 +395,7 @@ unsafe extern "C" {
 
 /// A line of `/proc/self/status` in MiB: `VmRSS:` now, `VmHWM:` the peak.
 fn status_mib(field: &str) -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .map_or(0.0, |kib| kib / 1024.0)
+    memory::proc_mib("/proc/self/status", field).unwrap_or(0.0)
 }
 
 /// Resident memory once freed heap is given back: what the nodes hold, not what the first

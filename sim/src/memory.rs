@@ -39,11 +39,15 @@ pub fn largest_fitting(bound_mib: f64, digests: usize) -> usize {
     low
 }
 
-/// A `/proc/meminfo` field, in MiB.
-fn meminfo_mib(field: &str) -> Option<f64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with(field))?;
+/// A field of a `/proc` file listing sizes in kB (`/proc/meminfo`, `/proc/self/status`), in MiB.
+pub fn proc_mib(file: &str, field: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let line = text.lines().find(|l| l.starts_with(field))?;
     Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? / 1024.0)
+}
+
+fn meminfo_mib(field: &str) -> Option<f64> {
+    proc_mib("/proc/meminfo", field)
 }
 
 /// 90% of `MemAvailable`, in MiB.

@@ -15,12 +15,9 @@ const MOST_OF_TTL: f64 = 0.8;
 /// The interval until the next round, for a network last estimated at `size` nodes.
 pub(super) fn round_interval(timing: &ProvideTiming, size: Option<f64>) -> Duration {
     let base = timing.interval;
-    let (Some(size), n) = (size, timing.nodes_per_interval) else {
+    let (Some(size), n @ 1..) = (size, timing.nodes_per_interval) else {
         return base;
     };
-    if n == 0 {
-        return base;
-    }
     let longest = (timing.ttl.as_secs_f64() * MOST_OF_TTL).max(base.as_secs_f64());
     let spaced = base.as_secs_f64() * (size / n as f64).max(1.0);
     Duration::from_secs_f64(spaced.min(longest))
