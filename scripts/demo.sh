@@ -23,7 +23,10 @@ ensure_packages
 ensure_rust
 echo "==> building ferry (release)"
 cargo build --release --locked --quiet
-FERRY="$PWD/target/release/ferry"
+# Where cargo put it: CARGO_TARGET_DIR when set (relative to here, as cargo reads it).
+target_dir=${CARGO_TARGET_DIR:-target}
+case $target_dir in /*) ;; *) target_dir="$PWD/$target_dir" ;; esac
+FERRY="$target_dir/release/ferry"
 
 WORK=$(mktemp -d /tmp/ferry-demo.XXXXXX)
 TAG=$$
